@@ -1,0 +1,1 @@
+"""dcp_volumes: PyTorch Distributed Checkpoint on object storage."""

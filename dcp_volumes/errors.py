@@ -1,0 +1,68 @@
+"""One exception hierarchy for dcp_volumes.
+
+Every error the package raises derives from :class:`DCPVolumesError`. Leaves also
+subclass the builtin a caller would naturally catch, so ``except FileExistsError``
+keeps working for code that does not know this package.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DCPVolumesError",
+    "ConfigError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "IntegrityError",
+    "UploadError",
+    "DownloadError",
+    "SpoolError",
+    "StoragePermissionError",
+    "UnsafeCheckpointError",
+]
+
+
+class DCPVolumesError(Exception):
+    """Root of every error raised by dcp_volumes."""
+
+
+class ConfigError(DCPVolumesError, ValueError):
+    """An option or URL is invalid; the message says what to change."""
+
+
+class CheckpointExistsError(DCPVolumesError, FileExistsError):
+    """A complete checkpoint already exists at the target and ``overwrite`` is off,
+    or a concurrent save committed first."""
+
+
+class CheckpointNotFoundError(DCPVolumesError, FileNotFoundError):
+    """Nothing (no ``.metadata`` and no shards) exists at the checkpoint URL."""
+
+
+class IncompleteCheckpointError(DCPVolumesError):
+    """Shard files exist but ``.metadata`` does not: a save was interrupted or is running."""
+
+
+class IntegrityError(DCPVolumesError):
+    """Stored bytes do not match the checksum or size recorded at save time."""
+
+
+class UploadError(DCPVolumesError, OSError):
+    """Bytes could not be made durable in the store (after retries where transient)."""
+
+
+class DownloadError(DCPVolumesError, OSError):
+    """Bytes could not be read from the store (after retries where transient)."""
+
+
+class SpoolError(DCPVolumesError, OSError):
+    """The local spool cannot hold the rank's bytes or could not be written."""
+
+
+class StoragePermissionError(DCPVolumesError, PermissionError):
+    """The store refused the credentials or the operation (HTTP 401/403)."""
+
+
+class UnsafeCheckpointError(DCPVolumesError):
+    """Stored metadata tried to load a class outside the allow-list, or a stored
+    path tries to escape the checkpoint's root."""

@@ -1,0 +1,1 @@
+"""Conformance suite, local servers and fault injection for dcp_volumes backends."""
