@@ -19,6 +19,8 @@ __all__ = [
     "SpoolError",
     "StoragePermissionError",
     "UnsafeCheckpointError",
+    "BucketNotFoundError",
+    "ObjectNotFoundError",
 ]
 
 
@@ -66,3 +68,11 @@ class StoragePermissionError(DCPVolumesError, PermissionError):
 class UnsafeCheckpointError(DCPVolumesError):
     """Stored metadata tried to load a class outside the allow-list, or a stored
     path tries to escape the checkpoint's root."""
+
+
+class BucketNotFoundError(DCPVolumesError, FileNotFoundError):
+    """The bucket or container in the URL does not exist."""
+
+
+class ObjectNotFoundError(DCPVolumesError, FileNotFoundError):
+    """A single object the operation needed does not exist."""

@@ -1,0 +1,81 @@
+"""Object names inside one checkpoint directory.
+
+::
+
+    <checkpoint>/
+      .metadata                            standard pickled torch Metadata, written LAST
+      .dcpv-manifest-<save_id>.json        integrity sidecar of save <save_id>
+      __<rank>_<i>-<save_id>.distcp        shard files of save <save_id>
+
+Shard and manifest names carry the save id, so two saves never write the same object:
+an overwrite leaves the old save intact until the new ``.metadata`` replaces the old one.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import secrets
+import time
+
+from dcp_volumes.errors import UnsafeCheckpointError
+
+__all__ = [
+    "METADATA",
+    "MANIFEST_PREFIX",
+    "new_save_id",
+    "shard_name",
+    "manifest_name",
+    "save_id_of",
+    "check_relative_path",
+]
+
+METADATA = ".metadata"
+MANIFEST_PREFIX = ".dcpv-manifest-"
+SHARD_SUFFIX = ".distcp"
+
+_SAVE_ID_RE = r"[0-9a-f]{8}-[0-9a-f]{12}"
+_SHARD_RE = re.compile(rf"^__(\d+)_(\d+)-({_SAVE_ID_RE})\.distcp$")
+_MANIFEST_RE = re.compile(rf"^{re.escape(MANIFEST_PREFIX)}({_SAVE_ID_RE})\.json$")
+
+
+def new_save_id() -> str:
+    """A save id: seconds since the epoch (hex, so ids sort by time) and 48 random bits."""
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}-{secrets.token_hex(6)}"
+
+
+def shard_name(rank: int, index: int, save_id: str) -> str:
+    return f"__{rank}_{index}-{save_id}{SHARD_SUFFIX}"
+
+
+def manifest_name(save_id: str) -> str:
+    return f"{MANIFEST_PREFIX}{save_id}.json"
+
+
+def save_id_of(name: str) -> str | None:
+    """The save id embedded in a shard or manifest name written by dcp_volumes, else None."""
+    m = _SHARD_RE.match(name) or _MANIFEST_RE.match(name)
+    return m.group(m.re.groups) if m else None
+
+
+def is_save_id(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch(_SAVE_ID_RE, value) is not None
+
+
+def check_relative_path(path: object) -> str:
+    """Refuse stored paths that could escape the checkpoint directory."""
+    if not isinstance(path, str) or not path:
+        raise UnsafeCheckpointError(f"stored relative path {path!r} is not a non-empty string")
+    if (
+        path.startswith(("/", "\\", "~"))
+        or "://" in path
+        or "\\" in path
+        or "\x00" in path
+        or re.match(r"^[A-Za-z]:", path)
+        or any(part in ("..", ".") for part in path.split("/"))
+        or posixpath.normpath(path) != path
+    ):
+        raise UnsafeCheckpointError(
+            f"stored relative path {path!r} escapes the checkpoint directory; refusing to read it"
+        )
+    return path

@@ -1,0 +1,237 @@
+"""The local spool: where a rank serializes one shard file before (and while) it uploads.
+
+A :class:`SpoolFile` is the file-like object ``torch.save`` writes into. It computes a
+CRC32C per item as bytes pass through and hands out *parts* (``part_size`` bytes) to the
+uploader as soon as they are complete, so a file uploads while it is still being written.
+
+- ``disk`` mode appends to a file in the spool directory and never waits for the network;
+  the uploader reads each part back with ``pread``.
+- ``memory`` mode fills part-sized buffers; a semaphore shared with the uploader caps the
+  buffers alive at once, so serialization waits for uploads instead of growing RAM.
+
+A part is only handed out once at least one more byte follows it, so the last part of a
+non-empty file is never empty and is marked ``final``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import crc32c
+
+from dcp_volumes.errors import SpoolError
+
+__all__ = ["Part", "SpoolFile", "check_free_space"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Part:
+    """One contiguous piece of a shard file, numbered from 1."""
+
+    number: int
+    offset: int
+    length: int
+    final: bool
+    buffer: bytearray | None = None  # memory mode only
+    release: Callable[[], None] | None = None
+
+    def done(self) -> None:
+        """Free the part's buffer slot (memory mode); safe to call twice."""
+        self.buffer = None
+        if self.release is not None:
+            release, self.release = self.release, None
+            release()
+
+
+def check_free_space(directory: str, needed: int, margin: float) -> None:
+    """Raise :class:`SpoolError` unless ``directory`` can hold ``needed × margin`` bytes."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        free = shutil.disk_usage(directory).free
+    except OSError as exc:
+        raise SpoolError(
+            f"spool directory {directory!r} is not usable ({exc.strerror}): set "
+            "SpoolOptions(directory=...) or DCP_VOLUMES_SPOOL_DIR to a writable local directory"
+        ) from exc
+    want = int(needed * margin)
+    if free < want:
+        raise SpoolError(
+            f"spool directory {directory!r} has {free / 2**30:.2f} GiB free but this rank needs "
+            f"{want / 2**30:.2f} GiB: free space there, point SpoolOptions(directory=...) or "
+            "DCP_VOLUMES_SPOOL_DIR at a larger disk, or use SpoolOptions(mode='memory')"
+        )
+
+
+class SpoolFile:
+    """A shard file being serialized. Not thread-safe: one writer thread."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        mode: str,
+        directory: str,
+        part_size: int,
+        emit: Callable[[Part], None],
+        buffer_slots: threading.Semaphore | None = None,
+        should_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        self.part_size = part_size
+        self._emit = emit
+        self._slots = buffer_slots
+        self._should_stop = should_stop
+        self._pos = 0
+        self._emitted = 0  # bytes handed out as parts
+        self._next_part = 1
+        self._item_start = 0
+        self._item_crc = 0
+        self._closed = False
+        self.path: str | None = None
+        self._fd = -1
+        self._buf: bytearray | None = None
+        self._buf_len = 0
+        self._buf_release: Callable[[], None] | None = None
+        if mode == "disk":
+            os.makedirs(directory, exist_ok=True)
+            self.path = os.path.join(directory, f"dcpv-{os.getpid()}-{name}")
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            except OSError as exc:
+                raise SpoolError(
+                    f"cannot create spool file in {directory!r} ({exc.strerror}): set "
+                    "SpoolOptions(directory=...) to a writable local directory"
+                ) from exc
+
+    # ---- file-like API used by torch.save -----------------------------------------------
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if n == 0:
+            return 0
+        self._item_crc = crc32c.crc32c(mv, value=self._item_crc)
+        if self.mode == "disk":
+            self._write_disk(mv)
+        else:
+            self._write_memory(mv)
+        self._pos += n
+        return n
+
+    # ---- items ---------------------------------------------------------------------------
+    def begin_item(self) -> None:
+        self._item_start = self._pos
+        self._item_crc = 0
+
+    def end_item(self) -> tuple[int, int, int]:
+        """(offset, length, crc32c) of the item written since :meth:`begin_item`."""
+        return self._item_start, self._pos - self._item_start, self._item_crc
+
+    # ---- parts ---------------------------------------------------------------------------
+    def _write_disk(self, mv: memoryview) -> None:
+        written = 0
+        while written < len(mv):
+            try:
+                written += os.write(self._fd, mv[written:])
+            except OSError as exc:
+                raise SpoolError(
+                    f"writing spool file {self.path!r} failed ({exc.strerror}): free space or "
+                    "point SpoolOptions(directory=...) elsewhere"
+                ) from exc
+        end = self._pos + len(mv)
+        while end - self._emitted > self.part_size:
+            self._hand_out(self.part_size, final=False)
+
+    def _write_memory(self, mv: memoryview) -> None:
+        i = 0
+        while i < len(mv):
+            if self._buf is not None and self._buf_len == self.part_size:
+                # The buffer is full and more bytes follow, so it is not the last part.
+                self._hand_out(self.part_size, final=False)
+            if self._buf is None:
+                self._new_buffer()
+            assert self._buf is not None
+            take = min(len(mv) - i, self.part_size - self._buf_len)
+            self._buf[self._buf_len:self._buf_len + take] = mv[i:i + take]
+            self._buf_len += take
+            i += take
+
+    def _new_buffer(self) -> None:
+        if self._slots is not None:
+            while not self._slots.acquire(timeout=0.5):
+                if self._should_stop is not None:
+                    self._should_stop()
+            self._buf_release = self._slots.release
+        self._buf = bytearray(self.part_size)
+        self._buf_len = 0
+
+    def _hand_out(self, length: int, *, final: bool) -> None:
+        if self._should_stop is not None:
+            self._should_stop()
+        part = Part(self._next_part, self._emitted, length, final)
+        if self.mode == "memory":
+            assert self._buf is not None
+            part.buffer = self._buf if length == len(self._buf) else self._buf[:length]
+            part.release = self._buf_release
+            self._buf, self._buf_len, self._buf_release = None, 0, None
+        self._next_part += 1
+        self._emitted += length
+        self._emit(part)
+
+    def read(self, part: Part) -> bytes | bytearray:
+        """The bytes of ``part`` (called by the uploader, possibly again on retry)."""
+        if part.buffer is not None:
+            return part.buffer
+        data = os.pread(self._fd, part.length, part.offset)
+        if len(data) != part.length:
+            raise SpoolError(f"spool file {self.path!r} is shorter than expected")
+        return data
+
+    def close(self) -> int:
+        """Hand out the final part; returns the file's size."""
+        if not self._closed:
+            self._closed = True
+            remaining = self._pos - self._emitted
+            if remaining > 0 or self._next_part == 1:
+                if self.mode == "memory" and self._buf is None:
+                    self._buf, self._buf_len = bytearray(0), 0
+                self._hand_out(remaining, final=True)
+        return self._pos
+
+    @property
+    def parts(self) -> int:
+        return self._next_part - 1
+
+    def discard(self) -> None:
+        """Free everything this file holds locally (idempotent)."""
+        if self._buf_release is not None:
+            self._buf_release()
+            self._buf_release = None
+        self._buf = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,76 @@
+"""Figures a writer or reader keeps about its last call (for logs and benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["SaveStats", "LoadStats"]
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """One rank's view of one save.
+
+    Attributes:
+        rank: the rank these figures are from.
+        bytes: payload bytes this rank wrote.
+        files: shard files this rank wrote.
+        parts: parts (multipart parts / blocks / chunks) uploaded.
+        spool_s: seconds serializing into the spool (uploads overlap this).
+        upload_s: seconds from the start of ``write_data`` until every byte was durable.
+        upload_tail_s: part of ``upload_s`` spent waiting after serialization ended.
+        commit_s: seconds to write the manifest and ``.metadata`` (coordinator only, else 0).
+        retries: transient failures retried.
+        requests: requests made to the store.
+    """
+
+    rank: int = 0
+    bytes: int = 0
+    files: int = 0
+    parts: int = 0
+    spool_s: float = 0.0
+    upload_s: float = 0.0
+    upload_tail_s: float = 0.0
+    commit_s: float = 0.0
+    retries: int = 0
+    requests: int = 0
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.bytes / 2**20 / self.upload_s if self.upload_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mib_per_s": round(self.mib_per_s, 2)}
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One rank's view of one load.
+
+    Attributes:
+        rank: the rank these figures are from.
+        bytes_needed: bytes of the stored items this rank's plan needed.
+        bytes_fetched: bytes actually fetched (coalesced ranges include small gaps).
+        items: stored items read.
+        ranges: ranged GETs made.
+        fetch_s: seconds from the first GET to the last item copied into place.
+        verified: whether checksums were verified (False for checkpoints without a manifest).
+        retries: transient failures retried.
+    """
+
+    rank: int = 0
+    bytes_needed: int = 0
+    bytes_fetched: int = 0
+    items: int = 0
+    ranges: int = 0
+    fetch_s: float = 0.0
+    verified: bool = False
+    retries: int = 0
+
+    @property
+    def mib_per_s(self) -> float:
+        return self.bytes_fetched / 2**20 / self.fetch_s if self.fetch_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mib_per_s": round(self.mib_per_s, 2)}

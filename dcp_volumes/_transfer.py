@@ -1,0 +1,492 @@
+"""The transfer engine: concurrent part uploads and ranged downloads.
+
+Serialization runs in the caller's thread; every network call runs on the backend's event
+loop (fsspec's IO loop for async filesystems), through :meth:`Backend.call`, with at most
+``max_concurrency`` requests in flight. Each shard file goes to the store through a *sink*:
+
+- S3: multipart upload (one ``PutObject`` when the file is a single part), parts in parallel.
+- Azure Blob: ``stage_block`` in parallel, then ``commit_block_list``.
+- local files: ``pwrite`` of parts in parallel, ``fsync`` at the end.
+- anything else (GCS, memory, other fsspec backends): the filesystem's own streaming
+  writer, parts written in order (GCS resumable uploads are sequential by protocol).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_volumes import errors
+from dcp_volumes._fs import Backend, CallStats
+from dcp_volumes._spool import Part, SpoolFile
+
+__all__ = ["Uploader", "FileUpload", "RangeRequest", "fetch_ranges"]
+
+logger = logging.getLogger(__name__)
+
+
+def _never(_: BaseException) -> bool:
+    return False
+
+
+# --------------------------------------------------------------------------------------
+# Sinks
+# --------------------------------------------------------------------------------------
+class _Sink:
+    """Receives the parts of one object and makes it durable."""
+
+    ordered = False
+
+    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+        self.backend = backend
+        self.relative = relative
+        self.path = backend.path(relative)
+        self.url = backend.object_url(relative)
+        self.stats = stats
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        raise NotImplementedError
+
+    async def complete(self, nparts: int) -> None:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        """Undo whatever was uploaded (best effort, never raises)."""
+
+
+class _S3Sink(_Sink):
+    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+        super().__init__(backend, relative, stats)
+        self.bucket, self.key, _ = backend.fs.split_path(self.path)
+        self._upload_id: str | None = None
+        self._create_lock = asyncio.Lock()
+        self._etags: dict[int, str] = {}
+        self._single = False
+
+    async def _client(self) -> Any:
+        return await self.backend.fs.set_session()
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        s3 = await self._client()
+        if part.number == 1 and part.final:
+            self._single = True
+            await self.backend.call(
+                lambda: s3.put_object(Bucket=self.bucket, Key=self.key, Body=data),
+                op="upload", url=self.url, stats=self.stats,
+            )
+            return
+        async with self._create_lock:
+            if self._upload_id is None:
+                resp = await self.backend.call(
+                    lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key),
+                    op="upload", url=self.url, stats=self.stats,
+                )
+                self._upload_id = resp["UploadId"]
+        resp = await self.backend.call(
+            lambda: s3.upload_part(
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                PartNumber=part.number, Body=data,
+            ),
+            op="upload", url=self.url, stats=self.stats,
+        )
+        self._etags[part.number] = resp["ETag"]
+
+    async def complete(self, nparts: int) -> None:
+        if self._single:
+            return
+        s3 = await self._client()
+        parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
+        await self.backend.call(
+            lambda: s3.complete_multipart_upload(
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            ),
+            op="upload", url=self.url, stats=self.stats,
+        )
+        self._upload_id = None
+
+    async def abort(self) -> None:
+        try:
+            s3 = await self._client()
+            if self._upload_id is not None:
+                upload_id, self._upload_id = self._upload_id, None
+                await self.backend.call(
+                    lambda: s3.abort_multipart_upload(
+                        Bucket=self.bucket, Key=self.key, UploadId=upload_id),
+                    op="abort", url=self.url,
+                )
+            await self.backend.remove([self.relative])
+        except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
+            logger.warning("could not clean up %s after a failed save: %s", self.url,
+                           type(exc).__name__)
+
+
+class _AzureSink(_Sink):
+    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+        super().__init__(backend, relative, stats)
+        container, blob, _ = backend.fs.split_path(self.path)
+        self.container, self.blob = container, blob
+        self._single = False
+
+    def _client(self) -> Any:
+        return self.backend.fs.service_client.get_blob_client(
+            container=self.container, blob=self.blob)
+
+    @staticmethod
+    def _block_id(number: int) -> str:
+        return base64.b64encode(f"dcpv-{number:08d}".encode()).decode()
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        bc = self._client()
+        if part.number == 1 and part.final:
+            self._single = True
+            await self.backend.call(
+                lambda: bc.upload_blob(bytes(data), overwrite=True),
+                op="upload", url=self.url, stats=self.stats,
+            )
+            return
+        await self.backend.call(
+            lambda: bc.stage_block(self._block_id(part.number), bytes(data), length=len(data)),
+            op="upload", url=self.url, stats=self.stats,
+        )
+
+    async def complete(self, nparts: int) -> None:
+        if self._single:
+            return
+        from azure.storage.blob import BlobBlock
+
+        bc = self._client()
+        blocks = [BlobBlock(block_id=self._block_id(n)) for n in range(1, nparts + 1)]
+        await self.backend.call(lambda: bc.commit_block_list(blocks), op="upload",
+                                url=self.url, stats=self.stats)
+
+    async def abort(self) -> None:
+        try:
+            await self.backend.remove([self.relative])
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not clean up %s after a failed save: %s", self.url,
+                           type(exc).__name__)
+
+
+class _LocalSink(_Sink):
+    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+        super().__init__(backend, relative, stats)
+        self._fd = -1
+        self._lock = asyncio.Lock()
+
+    async def _open(self) -> int:
+        async with self._lock:
+            if self._fd < 0:
+                def _do() -> int:
+                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                    return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fd = await self.backend.call(lambda: asyncio.to_thread(_do), op="upload",
+                                                   url=self.url, retry_if=_never)
+            return self._fd
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        fd = await self._open()
+
+        def _pwrite() -> None:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], part.offset + done)
+
+        await self.backend.call(lambda: asyncio.to_thread(_pwrite), op="upload", url=self.url,
+                                stats=self.stats, retry_if=_never)
+
+    async def complete(self, nparts: int) -> None:
+        fd = await self._open()
+
+        def _sync_close() -> None:
+            os.fsync(fd)
+            os.close(fd)
+
+        self._fd = -1
+        await self.backend.call(lambda: asyncio.to_thread(_sync_close), op="upload",
+                                url=self.url, retry_if=_never)
+
+    async def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class _StreamSink(_Sink):
+    """Writes parts in order through the filesystem's own file object."""
+
+    ordered = True
+
+    def __init__(self, backend: Backend, relative: str, stats: CallStats, part_size: int) -> None:
+        super().__init__(backend, relative, stats)
+        self._file: Any = None
+        self._part_size = part_size
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        def _write() -> None:
+            if self._file is None:
+                kwargs: dict[str, Any] = {}
+                if self.backend.kind == "gcs":
+                    kwargs["block_size"] = self._part_size
+                self._file = self.backend.fs.open(self.path, "wb", **kwargs)
+            self._file.write(bytes(data))
+
+        # The filesystem retries inside its writer; a stream cannot be rewound to retry here.
+        await self.backend.call(lambda: asyncio.to_thread(_write), op="upload", url=self.url,
+                                stats=self.stats, retry_if=_never)
+
+    async def complete(self, nparts: int) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            await self.backend.call(lambda: asyncio.to_thread(f.close), op="upload",
+                                    url=self.url, stats=self.stats, retry_if=_never)
+
+    async def abort(self) -> None:
+        f, self._file = self._file, None
+        try:
+            if f is not None:
+                discard = getattr(f, "discard", None)
+                await asyncio.to_thread(discard if discard else f.close)
+            await self.backend.remove([self.relative])
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not clean up %s after a failed save: %s", self.url,
+                           type(exc).__name__)
+
+
+def make_sink(backend: Backend, relative: str, stats: CallStats, part_size: int) -> _Sink:
+    if backend.kind == "s3":
+        return _S3Sink(backend, relative, stats)
+    if backend.kind == "azure":
+        return _AzureSink(backend, relative, stats)
+    if backend.kind == "local":
+        return _LocalSink(backend, relative, stats)
+    return _StreamSink(backend, relative, stats, part_size)
+
+
+# --------------------------------------------------------------------------------------
+# Upload orchestration
+# --------------------------------------------------------------------------------------
+class FileUpload:
+    """The upload of one shard file, fed part by part from the spool thread."""
+
+    def __init__(self, uploader: Uploader, relative: str, spool: SpoolFile) -> None:
+        self.uploader = uploader
+        self.relative = relative
+        self.spool = spool
+        self.sink = make_sink(uploader.backend, relative, uploader.stats,
+                              uploader.part_size)
+        self._parts: list[concurrent.futures.Future[None]] = []
+        self._turn: asyncio.Condition | None = None
+        self._next = 1
+        self.done: concurrent.futures.Future[None] | None = None
+
+    def submit(self, part: Part) -> None:
+        """Schedule the upload of ``part`` (called from the spool thread)."""
+        fut = asyncio.run_coroutine_threadsafe(self._upload_part(part), self.uploader.loop)
+        self._parts.append(fut)
+
+    async def _upload_part(self, part: Part) -> None:
+        up = self.uploader
+        try:
+            if self.sink.ordered:
+                if self._turn is None:
+                    self._turn = asyncio.Condition()
+                async with self._turn:
+                    await self._turn.wait_for(lambda: self._next == part.number or up.failed)
+            if up.failed:
+                return
+            async with up.semaphore:
+                data = await asyncio.to_thread(self.spool.read, part)
+                await self.sink.put_part(part, data)
+                up.add_bytes(part.length)
+        except BaseException as exc:
+            up.fail(exc)
+            raise
+        finally:
+            part.done()
+            if self.sink.ordered and self._turn is not None:
+                async with self._turn:
+                    self._next = max(self._next, part.number + 1)
+                    self._turn.notify_all()
+
+    def finish(self) -> None:
+        """Schedule completion once every part is uploaded (called after spool close)."""
+        parts = list(self._parts)
+        nparts = self.spool.parts
+
+        async def _complete() -> None:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in parts),
+                                           return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            await self.sink.complete(nparts)
+
+        self.done = asyncio.run_coroutine_threadsafe(_complete(), self.uploader.loop)
+
+
+class Uploader:
+    """Uploads the shard files of one rank's save; remembers what to undo on failure."""
+
+    def __init__(self, backend: Backend, *, part_size: int, max_concurrency: int,
+                 stats: CallStats) -> None:
+        self.backend = backend
+        self.loop = backend.loop
+        self.part_size = part_size
+        self.stats = stats
+        self.files: list[FileUpload] = []
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self.bytes_uploaded = 0
+        self.semaphore = backend.run(lambda: _make_semaphore(max_concurrency))
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    def add_bytes(self, n: int) -> None:
+        with self._lock:
+            self.bytes_uploaded += n
+
+    def raise_if_failed(self) -> None:
+        """Stop the spool thread early once any part failed for good."""
+        if self._failure is not None:
+            raise self._failure
+
+    def start_file(self, relative: str, spool: SpoolFile) -> FileUpload:
+        upload = FileUpload(self, relative, spool)
+        self.files.append(upload)
+        return upload
+
+    def wait(self) -> None:
+        """Block until every file is durable; raise the first failure."""
+        for f in self.files:
+            if f.done is None:
+                raise errors.UploadError(f"internal error: {f.relative} was never finished")
+            try:
+                f.done.result()
+            except BaseException as exc:
+                self.fail(exc)
+        self.raise_if_failed()
+
+    def abort(self) -> None:
+        """Cancel what is pending and remove what was uploaded (best effort)."""
+        self.fail(errors.UploadError("save aborted"))
+        for f in self.files:
+            for p in f._parts:
+                try:
+                    p.result(timeout=600)
+                except BaseException:  # noqa: BLE001 — already recorded
+                    pass
+            if f.done is not None:
+                try:
+                    f.done.result(timeout=600)
+                except BaseException:  # noqa: BLE001
+                    pass
+
+        async def _abort_all() -> None:
+            await asyncio.gather(*(f.sink.abort() for f in self.files), return_exceptions=True)
+
+        try:
+            self.backend.run(_abort_all, timeout=600)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("cleanup after a failed save did not finish: %s", type(exc).__name__)
+
+
+async def _make_semaphore(n: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(n)
+
+
+# --------------------------------------------------------------------------------------
+# Ranged downloads
+# --------------------------------------------------------------------------------------
+@dataclass
+class RangeRequest:
+    """One GET of ``[start, end)`` of ``relative``; ``items`` is the caller's bookkeeping."""
+
+    relative: str
+    start: int
+    end: int
+    items: list[Any] = field(default_factory=list)
+
+
+def fetch_ranges(
+    backend: Backend,
+    ranges: list[RangeRequest],
+    *,
+    max_concurrency: int,
+    stats: CallStats,
+    on_missing: Callable[[RangeRequest, BaseException], BaseException],
+) -> Iterator[tuple[RangeRequest, bytes]]:
+    """Fetch ``ranges`` concurrently; yield each with its bytes as it arrives.
+
+    At most ``max_concurrency`` GETs are in flight and at most ``2 × max_concurrency``
+    fetched ranges wait for the consumer, which bounds memory.
+    """
+    results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
+    slots_holder: dict[str, asyncio.Semaphore] = {}
+    cancel = threading.Event()
+
+    async def _one(req: RangeRequest, inflight: asyncio.Semaphore,
+                   slots: asyncio.Semaphore) -> None:
+        await slots.acquire()
+        if cancel.is_set():
+            slots.release()
+            return
+        try:
+            async with inflight:
+                data = await backend.cat(req.relative, start=req.start, end=req.end,
+                                         stats=stats)
+            results.put((req, data))
+        except BaseException as exc:  # noqa: BLE001 — handed to the consumer
+            slots.release()
+            if isinstance(exc, errors.ObjectNotFoundError):
+                exc = on_missing(req, exc)
+            results.put((None, exc))
+
+    async def _all() -> None:
+        inflight = asyncio.Semaphore(max_concurrency)
+        slots = asyncio.Semaphore(2 * max_concurrency)
+        slots_holder["s"] = slots
+        await asyncio.gather(*(_one(r, inflight, slots) for r in ranges))
+
+    done = asyncio.run_coroutine_threadsafe(_all(), backend.loop)
+    try:
+        for _ in range(len(ranges)):
+            req, payload = results.get()
+            if req is None:
+                raise payload
+            try:
+                yield req, payload
+            finally:
+                backend.loop.call_soon_threadsafe(slots_holder["s"].release)
+        done.result()
+    finally:
+        if not done.done():
+            cancel.set()
+            slots = slots_holder.get("s")
+            if slots is not None:
+                for _ in range(len(ranges)):
+                    backend.loop.call_soon_threadsafe(slots.release)
+            try:
+                done.result(timeout=120)
+            except BaseException:  # noqa: BLE001 — the first error was already raised
+                pass

@@ -1,0 +1,132 @@
+"""Frozen, validated option dataclasses for :class:`~dcp_volumes.VolumeWriter` and
+:class:`~dcp_volumes.VolumeReader`.
+
+Every field is documented in ``docs/configuration.md`` with its default and when to
+change it. Construction validates the values and says what to change when one is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Literal
+
+from dcp_volumes.errors import ConfigError
+
+__all__ = ["SpoolOptions", "TransferOptions", "RetryOptions", "MiB"]
+
+MiB = 1 << 20
+
+SPOOL_DIR_ENV = "DCP_VOLUMES_SPOOL_DIR"
+
+
+def _positive_int(name: str, value: object, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}: {hint}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpoolOptions:
+    """Where each rank serializes its shards before upload.
+
+    Attributes:
+        mode: ``"disk"`` writes shards to ``directory`` at disk speed, never waiting for the
+            network; ``"memory"`` keeps at most ``max_concurrency + 1`` parts in RAM and makes
+            serialization wait for uploads (use it where local disk is slower than the network).
+        directory: spool directory for ``mode="disk"``. Default: ``$DCP_VOLUMES_SPOOL_DIR``,
+            else the system temp dir. Put it on fast local NVMe.
+        files_per_rank: shard files each rank writes, balanced by size. More files means more
+            objects uploaded in parallel; each file is itself uploaded in parallel parts.
+        free_space_margin: the spool must have ``margin × rank bytes`` free before a save starts.
+    """
+
+    mode: Literal["disk", "memory"] = "disk"
+    directory: str | None = None
+    files_per_rank: int = 2
+    free_space_margin: float = 1.1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disk", "memory"):
+            raise ConfigError(f"SpoolOptions.mode must be 'disk' or 'memory', got {self.mode!r}")
+        _positive_int("SpoolOptions.files_per_rank", self.files_per_rank, "use 1..16")
+        if not (isinstance(self.free_space_margin, (int, float)) and self.free_space_margin >= 1.0):
+            raise ConfigError(
+                f"SpoolOptions.free_space_margin must be >= 1.0, got {self.free_space_margin!r}"
+            )
+        if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
+            raise ConfigError("SpoolOptions.directory must be a path string or None")
+
+    def resolved_directory(self) -> str:
+        """The spool directory this process will use."""
+        return os.fspath(self.directory or os.environ.get(SPOOL_DIR_ENV) or tempfile.gettempdir())
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferOptions:
+    """Concurrency and sizes of uploads and downloads.
+
+    Attributes:
+        part_size: bytes per multipart part / Azure block / ranged GET. S3 requires >= 5 MiB.
+        max_concurrency: requests in flight per rank. Payload bytes held in memory by the
+            transfer engine stay below ``max_concurrency × part_size``.
+        coalesce_gap: on load, neighbouring byte ranges of one file closer than this are fetched
+            with one GET (the gap is read and discarded).
+        max_range_size: on load, coalesced ranges stop growing past this size.
+    """
+
+    part_size: int = 16 * MiB
+    max_concurrency: int = 8
+    coalesce_gap: int = 1 * MiB
+    max_range_size: int = 32 * MiB
+
+    def __post_init__(self) -> None:
+        _positive_int("TransferOptions.part_size", self.part_size, "e.g. 16 * 2**20")
+        if self.part_size < 5 * MiB:
+            raise ConfigError(
+                f"TransferOptions.part_size must be >= 5 MiB (the S3 minimum part), got "
+                f"{self.part_size}: raise it"
+            )
+        if self.part_size % (256 * 1024):
+            raise ConfigError(
+                f"TransferOptions.part_size must be a multiple of 256 KiB (GCS chunk rule), got "
+                f"{self.part_size}"
+            )
+        _positive_int("TransferOptions.max_concurrency", self.max_concurrency, "use 1..64")
+        if self.max_concurrency > 256:
+            raise ConfigError("TransferOptions.max_concurrency above 256 is not supported")
+        if isinstance(self.coalesce_gap, bool) or not isinstance(self.coalesce_gap, int) \
+                or self.coalesce_gap < 0:
+            raise ConfigError(f"TransferOptions.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
+        _positive_int("TransferOptions.max_range_size", self.max_range_size, "e.g. 32 * 2**20")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryOptions:
+    """Retries of transient failures (throttling, 5xx, resets, timeouts).
+
+    Attributes:
+        max_attempts: attempts per request, the first included.
+        initial_backoff_s: backoff before the first retry; doubles each retry.
+        max_backoff_s: cap of one backoff.
+        jitter: draw each backoff uniformly in ``[0, backoff]`` ("full jitter").
+        deadline_s: stop retrying one request after this many seconds (None: no deadline).
+    """
+
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    jitter: bool = True
+    deadline_s: float | None = 120.0
+
+    def __post_init__(self) -> None:
+        _positive_int("RetryOptions.max_attempts", self.max_attempts, "1 disables retries")
+        for name in ("initial_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+                raise ConfigError(f"RetryOptions.{name} must be a number >= 0, got {value!r}")
+        if self.deadline_s is not None and not (
+            isinstance(self.deadline_s, (int, float)) and self.deadline_s > 0
+        ):
+            raise ConfigError(f"RetryOptions.deadline_s must be > 0 or None, got {self.deadline_s!r}")

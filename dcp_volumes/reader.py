@@ -1,0 +1,322 @@
+"""``VolumeReader``: the DCP load lifecycle on any fsspec URL."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import crc32c
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_volumes import _layout, errors
+from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
+from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
+from dcp_volumes._stats import LoadStats
+from dcp_volumes._transfer import RangeRequest, fetch_ranges
+from dcp_volumes.config import RetryOptions, TransferOptions
+
+__all__ = ["VolumeReader"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stored:
+    """One stored item (offset, length in a file) and the read items that need it."""
+
+    offset: int
+    length: int
+    reads: list[ReadItem] = field(default_factory=list)
+
+
+def plan_ranges(
+    per_file: dict[str, dict[int, _Stored]], *, gap: int, max_size: int
+) -> list[RangeRequest]:
+    """Sort each file's items by offset and coalesce neighbours into ranged GETs."""
+    ranges: list[RangeRequest] = []
+    for relative, items in sorted(per_file.items()):
+        current: RangeRequest | None = None
+        for stored in sorted(items.values(), key=lambda s: s.offset):
+            end = stored.offset + stored.length
+            if (
+                current is not None
+                and stored.offset - current.end <= gap
+                and end - current.start <= max_size
+                and stored.offset >= current.end
+            ):
+                current.end = end
+                current.items.append(stored)
+            else:
+                current = RangeRequest(relative, stored.offset, end, [stored])
+                ranges.append(current)
+    return ranges
+
+
+class VolumeReader(StorageReader):
+    """A DCP ``StorageReader`` for any fsspec URL, verifying checksums when present.
+
+    Reads checkpoints written by :class:`~dcp_volumes.VolumeWriter` (checksums verified)
+    and by torch's own ``FileSystemWriter``/``FsspecWriter`` (no checksums to verify).
+
+    Args:
+        path: checkpoint URL, as for :class:`~dcp_volumes.VolumeWriter`.
+        storage_options: passed to fsspec unchanged; never logged.
+        transfer: concurrency of ranged GETs and range coalescing (:class:`TransferOptions`).
+        retry: retries of transient errors (:class:`RetryOptions`).
+        verify: check each item's CRC32C and length against the manifest (default True).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        /,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        transfer: TransferOptions | None = None,
+        retry: RetryOptions | None = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        self._url = os.fspath(path)
+        _parse_scheme(self._url)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
+        self._storage_options = dict(storage_options or {})
+        self.transfer = transfer or TransferOptions()
+        self.retry = retry or RetryOptions()
+        self.verify = bool(verify)
+        self._backend_obj: Backend | None = None
+        self._storage_data: dict[Any, Any] = {}
+        self._manifest: Manifest | None = None
+        self._rank = 0
+        self.last_stats: LoadStats | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_backend_obj"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"VolumeReader({redact_url(self._url)!r})"
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._url
+
+    def _backend(self) -> Backend:
+        if self._backend_obj is None:
+            self._backend_obj = open_backend(self._url, self._storage_options, self.retry)
+        return self._backend_obj
+
+    # ---- StorageReader -----------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            url = os.fspath(checkpoint_id)
+            _parse_scheme(url)
+            if url != self._url:
+                self._url = url
+                self._backend_obj = None
+        self._storage_data = {}
+        self._manifest = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Read ``.metadata`` (allow-listed unpickling) and the integrity manifest.
+
+        Raises:
+            CheckpointNotFoundError: nothing is stored at the URL.
+            IncompleteCheckpointError: shards exist but ``.metadata`` does not.
+            UnsafeCheckpointError: ``.metadata`` names classes or paths it must not.
+        """
+        if kwargs.get("rank") is not None:
+            # DCP asks for per-rank metadata when the global one failed; we never write it.
+            raise errors.CheckpointNotFoundError(
+                f"{redact_url(self._url)} has no per-rank metadata (VolumeWriter writes one "
+                "global .metadata)"
+            )
+        backend = self._backend()
+        where = backend.object_url(_layout.METADATA)
+
+        async def _read() -> tuple[bytes | None, list[str]]:
+            try:
+                return await backend.cat(_layout.METADATA, op="read"), []
+            except errors.ObjectNotFoundError:
+                return None, await backend.list_names()
+
+        data, names = backend.run(_read)
+        if data is None:
+            if names:
+                shown = ", ".join(sorted(names)[:3])
+                raise errors.IncompleteCheckpointError(
+                    f"{redact_url(self._url)} has {len(names)} objects ({shown}, ...) but no "
+                    ".metadata: the save that wrote them did not commit (interrupted or still "
+                    "running). Load an earlier checkpoint; `dcp-volumes gc` removes leftovers"
+                )
+            raise errors.CheckpointNotFoundError(
+                f"no checkpoint at {redact_url(self._url)}: check the URL and storage_options"
+            )
+        metadata = load_metadata(data, where=where)
+        self._manifest = self._read_manifest(backend, metadata) if self.verify else None
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = _layout.new_save_id()
+        return metadata
+
+    def _read_manifest(self, backend: Backend, metadata: Metadata) -> Manifest | None:
+        save_id = metadata_save_id(metadata)
+        paths = {info.relative_path for info in metadata.storage_data.values()}
+        ours = _layout.is_save_id(save_id) and any(
+            _layout.save_id_of(p) == save_id for p in paths)
+        if not ours:
+            logger.debug("%s was not written by VolumeWriter (no manifest): checksums are not "
+                         "verified", redact_url(self._url))
+            return None
+        name = _layout.manifest_name(cast(str, save_id))
+        try:
+            data = backend.run(lambda: backend.cat(name, op="read"))
+        except errors.ObjectNotFoundError:
+            raise errors.IntegrityError(
+                f"{redact_url(self._url)} was written by VolumeWriter but its manifest {name} is "
+                "missing: the checkpoint was modified; pass verify=False to load it unverified"
+            ) from None
+        manifest = Manifest.from_json(data, where=backend.object_url(name))
+        if manifest.save_id != save_id:
+            raise errors.IntegrityError(f"manifest {name} belongs to save {manifest.save_id}, "
+                                        f"not {save_id}")
+        return manifest
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise errors.IntegrityError(f"{redact_url(self._url)}: .metadata has no storage_data")
+        self._storage_data = metadata.storage_data
+        self._rank = int(kwargs.get("rank", 0) or 0)
+        self.last_stats = None
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        backend = self._backend()
+        per_file: dict[str, dict[int, _Stored]] = {}
+        for req in plan.items:
+            info = self._storage_data[req.storage_index]
+            relative = _layout.check_relative_path(info.relative_path)
+            stored = per_file.setdefault(relative, {}).setdefault(
+                info.offset, _Stored(info.offset, info.length))
+            stored.reads.append(req)
+        ranges = plan_ranges(per_file, gap=self.transfer.coalesce_gap,
+                             max_size=self.transfer.max_range_size)
+        stats = CallStats()
+        start = time.monotonic()
+        fetched = needed = nitems = 0
+
+        def _missing(req: RangeRequest, exc: BaseException) -> BaseException:
+            return errors.IntegrityError(
+                f"shard {req.relative} of {redact_url(self._url)} is missing (needed for "
+                f"{_describe(req.items[0].reads[0])}): the checkpoint is damaged or was replaced "
+                "while loading"
+            )
+
+        for req, data in fetch_ranges(backend, ranges,
+                                      max_concurrency=self.transfer.max_concurrency,
+                                      stats=stats, on_missing=_missing):
+            fetched += len(data)
+            view = memoryview(data)
+            for stored in req.items:
+                lo = stored.offset - req.start
+                chunk = view[lo:lo + stored.length]
+                self._check(req.relative, stored, chunk)
+                needed += stored.length
+                nitems += 1
+                for read in stored.reads:
+                    _apply(read, chunk, planner)
+        self.last_stats = LoadStats(
+            rank=self._rank, bytes_needed=needed, bytes_fetched=fetched, items=nitems,
+            ranges=len(ranges), fetch_s=time.monotonic() - start,
+            verified=self._manifest is not None, retries=stats.retries,
+        )
+        s = self.last_stats
+        logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s: %.2fs, %.1f MiB/s, "
+                    "%d retries, checksums %s", s.rank, s.bytes_fetched, s.bytes_needed, s.ranges,
+                    redact_url(self._url), s.fetch_s, s.mib_per_s, s.retries,
+                    "verified" if s.verified else "not available")
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _check(self, relative: str, stored: _Stored, chunk: memoryview) -> None:
+        what = _describe(stored.reads[0])
+        if len(chunk) != stored.length:
+            raise errors.IntegrityError(
+                f"shard {relative} of {redact_url(self._url)} is truncated: {what} needs bytes "
+                f"{stored.offset}..{stored.offset + stored.length}, got {len(chunk)}"
+            )
+        if self._manifest is None:
+            return
+        entry = self._manifest.files.get(relative)
+        expected = entry.items.get(stored.offset) if entry is not None else None
+        if expected is None:
+            raise errors.IntegrityError(
+                f"{what} in shard {relative} is not in the manifest of {redact_url(self._url)}"
+            )
+        length, crc = expected
+        if length != stored.length:
+            raise errors.IntegrityError(
+                f"{what} in shard {relative}: .metadata says {stored.length} bytes, manifest "
+                f"says {length}"
+            )
+        actual = crc32c.crc32c(chunk)
+        if actual != crc:
+            raise errors.IntegrityError(
+                f"checksum mismatch for {what} in shard {relative} of {redact_url(self._url)} "
+                f"(crc32c {actual:08x}, expected {crc:08x}): the stored bytes are corrupt"
+            )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            _parse_scheme(os.fspath(checkpoint_id))
+        except errors.DCPVolumesError:
+            return False
+        return True
+
+
+def _describe(read: ReadItem) -> str:
+    index = read.storage_index
+    return f"item {index.fqn!r}" + (f" at offset {tuple(index.offset)}" if index.offset else "")
+
+
+def _apply(read: ReadItem, chunk: memoryview, planner: LoadPlanner) -> None:
+    """Deserialize one stored item exactly as torch's FileSystemReader does."""
+    if read.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(read, io.BytesIO(chunk))
+        return
+    tensor = cast(torch.Tensor, torch.load(io.BytesIO(chunk), map_location="cpu",
+                                           weights_only=True))
+    tensor = narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths)
+    target = planner.resolve_tensor(read).detach()
+    if target.size() != tensor.size():
+        raise errors.IntegrityError(
+            f"{_describe(read)}: stored shape {tuple(tensor.size())} does not match the target "
+            f"{tuple(target.size())}"
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(read, target)
+
+

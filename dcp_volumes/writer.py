@@ -1,0 +1,392 @@
+"""``VolumeWriter``: the DCP save lifecycle on any fsspec URL.
+
+This module holds the lifecycle only (plan → write → finish); spooling, transfer, layout
+and commit live in their own modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_volumes import _layout, errors
+from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
+from dcp_volumes._manifest import (
+    FileEntry,
+    Manifest,
+    commit_metadata,
+    load_metadata,
+    metadata_save_id,
+    set_save_id,
+)
+from dcp_volumes._spool import SpoolFile, check_free_space
+from dcp_volumes._stats import SaveStats
+from dcp_volumes._transfer import Uploader
+from dcp_volumes._version import __version__
+from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+
+__all__ = ["VolumeWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavePrefix:
+    """What the coordinator hands every rank in its plan: the save id and the rank's index."""
+
+    save_id: str
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _CheckedWriteResult(WriteResult):
+    """A WriteResult that also carries the item's CRC32C to the coordinator."""
+
+    crc32c: int = 0
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.size:
+        n *= s
+    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _split_by_size(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
+    """Greedy size balance (largest first), byte items round-robin: torch's own policy."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted((i for i in items if i.type != WriteItemType.BYTE_IO),
+                          key=_item_nbytes, reverse=True)
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in tensor_items:
+        idx = sizes.index(min(sizes))
+        buckets[idx].append(item)
+        sizes[idx] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        # torch.save writes a tensor's whole storage; keep only the view's bytes.
+        tensor = tensor.clone()
+    return tensor
+
+
+class VolumeWriter(StorageWriter):
+    """A DCP ``StorageWriter`` for any fsspec URL: spool, concurrent upload, commit last.
+
+    Example::
+
+        writer = VolumeWriter("s3://bucket/run-42/step-1000",
+                              storage_options={"endpoint_url": "http://127.0.0.1:8333"})
+        dcp.save(state_dict, storage_writer=writer)
+        print(writer.last_stats)
+
+    Args:
+        path: checkpoint URL (``s3://``, ``gs://``, ``az://``/``abfs://``, ``file://`` or a
+            plain path, ``memory://``, or any installed fsspec protocol).
+        storage_options: passed to fsspec unchanged (credentials, ``endpoint_url``, ...);
+            never logged.
+        overwrite: replace an existing complete checkpoint. Off by default: saving onto a
+            complete checkpoint raises :class:`~dcp_volumes.errors.CheckpointExistsError`
+            before any byte is uploaded.
+        spool: where shards are serialized before upload (:class:`SpoolOptions`).
+        transfer: part size and concurrency (:class:`TransferOptions`).
+        retry: retries of transient errors (:class:`RetryOptions`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        /,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        spool: SpoolOptions | None = None,
+        transfer: TransferOptions | None = None,
+        retry: RetryOptions | None = None,
+    ) -> None:
+        super().__init__()
+        self._url = os.fspath(path)
+        _parse_scheme(self._url)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
+        self._storage_options = dict(storage_options or {})
+        self.overwrite = bool(overwrite)
+        self.spool = spool or SpoolOptions()
+        self.transfer = transfer or TransferOptions()
+        self.retry = retry or RetryOptions()
+        for name, value, cls in (("spool", self.spool, SpoolOptions),
+                                 ("transfer", self.transfer, TransferOptions),
+                                 ("retry", self.retry, RetryOptions)):
+            if not isinstance(value, cls):
+                raise errors.ConfigError(f"{name}= must be a {cls.__name__}, got {type(value).__name__}")
+        self._backend_obj: Backend | None = None
+        self._is_coordinator = False
+        self._rank = 0
+        self._save_id: str | None = None
+        self.last_stats: SaveStats | None = None
+
+    # ---- pickling (AsyncCheckpointerType.PROCESS): config only -------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_backend_obj"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"VolumeWriter({redact_url(self._url)!r}, overwrite={self.overwrite})"
+
+    @property
+    def url(self) -> str:
+        """The checkpoint URL this writer saves to."""
+        return self._url
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._url
+
+    def _backend(self) -> Backend:
+        if self._backend_obj is None:
+            self._backend_obj = open_backend(self._url, self._storage_options, self.retry)
+        return self._backend_obj
+
+    # ---- StorageWriter -------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            url = os.fspath(checkpoint_id)
+            _parse_scheme(url)
+            if url != self._url:
+                self._url = url
+                self._backend_obj = None
+        self._save_id = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        self._rank = int(kwargs.get("rank", 0) or 0)
+        self.last_stats = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=redact_url(self._url))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        backend = self._backend()
+
+        async def _check() -> bool:
+            await backend.check_bucket()
+            return await backend.exists(_layout.METADATA)
+
+        exists = backend.run(_check)
+        if exists and not self.overwrite:
+            raise errors.CheckpointExistsError(
+                f"a complete checkpoint exists at {redact_url(self._url)}: pick a new path, "
+                "or pass VolumeWriter(..., overwrite=True) to replace it"
+            )
+        self._save_id = _layout.new_save_id()
+        return [dataclasses.replace(p, storage_data=_SavePrefix(self._save_id, i))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data
+        if not isinstance(prefix, _SavePrefix):
+            raise errors.DCPVolumesError(
+                "the save plan carries no dcp_volumes prefix: VolumeWriter.prepare_global_plan "
+                "did not run (is a custom planner dropping storage_data?)"
+            )
+        results = self._write_rank(plan.items, planner, prefix)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_rank(self, items: list[WriteItem], planner: SavePlanner,
+                    prefix: _SavePrefix) -> list[WriteResult]:
+        backend = self._backend()
+        spool, transfer = self.spool, self.transfer
+        stats = CallStats()
+        start = time.monotonic()
+        directory = spool.resolved_directory()
+        if spool.mode == "disk":
+            check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
+                             spool.free_space_margin)
+        uploader = Uploader(backend, part_size=transfer.part_size,
+                            max_concurrency=transfer.max_concurrency, stats=stats)
+        slots = (threading.Semaphore(transfer.max_concurrency + 1)
+                 if spool.mode == "memory" else None)
+        spools: list[SpoolFile] = []
+        results: list[WriteResult] = []
+        total = 0
+        spool_end = start
+        try:
+            for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
+                relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
+                upload = uploader.start_file(relative, None)  # type: ignore[arg-type]
+                sf = SpoolFile(relative, mode=spool.mode, directory=directory,
+                               part_size=transfer.part_size, emit=upload.submit,
+                               buffer_slots=slots, should_stop=uploader.raise_if_failed)
+                upload.spool = sf
+                spools.append(sf)
+                for item in bucket:
+                    results.append(self._write_item(sf, item, planner, relative))
+                total += sf.close()
+                upload.finish()
+            spool_end = time.monotonic()
+            uploader.wait()
+        except BaseException:
+            uploader.abort()
+            raise
+        finally:
+            for sf in spools:
+                sf.discard()
+        end = time.monotonic()
+        self.last_stats = SaveStats(
+            rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),
+            spool_s=spool_end - start, upload_s=end - start, upload_tail_s=end - spool_end,
+            retries=stats.retries, requests=stats.requests,
+        )
+        s = self.last_stats
+        logger.info(
+            "rank %d wrote %d bytes in %d files (%d parts) to %s: spool %.2fs, upload %.2fs "
+            "(%.2fs after spool), %.1f MiB/s, %d retries",
+            s.rank, s.bytes, s.files, s.parts, redact_url(self._url), s.spool_s, s.upload_s,
+            s.upload_tail_s, s.mib_per_s, s.retries,
+        )
+        return results
+
+    @staticmethod
+    def _write_item(sf: SpoolFile, item: WriteItem, planner: SavePlanner,
+                    relative: str) -> WriteResult:
+        data = planner.resolve_data(item)
+        sf.begin_item()
+        if item.type == WriteItemType.BYTE_IO:
+            sf.write(data.getbuffer())
+        else:
+            torch.save(_cpu_tensor(data), sf)
+        offset, length, crc = sf.end_item()
+        return _CheckedWriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(relative, offset, length),
+                                   crc32c=crc)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._save_id is None:
+            raise errors.DCPVolumesError("finish() called without prepare_global_plan()")
+        backend = self._backend()
+        save_id = self._save_id
+        start = time.monotonic()
+        manifest = Manifest(save_id=save_id, writer=f"dcp_volumes {__version__}",
+                            world_size=len(results))
+        storage_md: dict[Any, _StorageInfo] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                info = wr.storage_data
+                storage_md[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
+                entry = manifest.files.setdefault(info.relative_path, FileEntry())
+                entry.items[info.offset] = (info.length, getattr(wr, "crc32c", 0))
+                entry.size = max(entry.size, info.offset + info.length)
+        metadata.storage_data = storage_md
+        set_save_id(metadata, save_id, self._url)
+        metadata_bytes = pickle.dumps(metadata)
+        ours = [*manifest.files, _layout.manifest_name(save_id)]
+        stats = CallStats()
+        superseded = backend.run(lambda: self._commit(backend, manifest, metadata_bytes, ours,
+                                                      stats))
+        commit_s = time.monotonic() - start
+        if superseded:
+            try:
+                backend.run(lambda: backend.remove(superseded))
+            except errors.DCPVolumesError as exc:
+                logger.warning("superseded objects of %s were not all removed (%s); "
+                               "`dcp-volumes gc` collects them", redact_url(self._url),
+                               type(exc).__name__)
+        prev = self.last_stats or SaveStats(rank=self._rank)
+        self.last_stats = dataclasses.replace(prev, commit_s=commit_s,
+                                              retries=prev.retries + stats.retries)
+        logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url), save_id,
+                    len(manifest.files), commit_s)
+
+    async def _commit(self, backend: Backend, manifest: Manifest, metadata_bytes: bytes,
+                      ours: list[str], stats: CallStats) -> list[str]:
+        """Manifest, then ``.metadata`` last. Returns the superseded save's objects."""
+        superseded: list[str] = []
+        if self.overwrite:
+            superseded = await _objects_of_current_save(backend)
+        await backend.put(_layout.manifest_name(manifest.save_id), manifest.to_json(), stats=stats)
+        try:
+            await commit_metadata(backend, metadata_bytes, exclusive=not self.overwrite,
+                                  save_id=manifest.save_id, stats=stats)
+        except errors.CheckpointExistsError:
+            await _remove_quietly(backend, ours)
+            raise
+        except BaseException:
+            # Unknown outcome: keep our shards if .metadata turns out to be ours after all.
+            if not await _is_committed_by(backend, manifest.save_id):
+                await _remove_quietly(backend, ours)
+            raise
+        keep = set(ours) | {_layout.METADATA}
+        return [name for name in superseded if name not in keep]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            _parse_scheme(os.fspath(checkpoint_id))
+        except errors.DCPVolumesError:
+            return False
+        return True
+
+
+async def _objects_of_current_save(backend: Backend) -> list[str]:
+    """Objects the checkpoint committed now at ``backend`` consists of (empty if none)."""
+    try:
+        data = await backend.cat(_layout.METADATA, op="read")
+    except errors.ObjectNotFoundError:
+        return []
+    try:
+        metadata = load_metadata(data, where=backend.object_url(_layout.METADATA))
+    except errors.DCPVolumesError:
+        return []  # not ours to interpret; leave it to gc
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    save_id = metadata_save_id(metadata)
+    if _layout.is_save_id(save_id):
+        names.add(_layout.manifest_name(save_id))  # type: ignore[arg-type]
+    return sorted(names)
+
+
+async def _is_committed_by(backend: Backend, save_id: str) -> bool:
+    try:
+        data = await backend.cat(_layout.METADATA, op="read")
+        return metadata_save_id(load_metadata(data, where="")) == save_id
+    except Exception:  # noqa: BLE001 — unknown means "not provably ours"
+        return False
+
+
+async def _remove_quietly(backend: Backend, names: list[str]) -> None:
+    try:
+        await backend.remove(names)
+    except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
+        logger.warning("could not remove %d objects of an uncommitted save under %s (%s)",
+                       len(names), redact_url(backend.url), type(exc).__name__)
+
