@@ -106,6 +106,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "torch": frozenset({"Size", "device", "layout", "memory_format", "dtype"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "collections": frozenset({"OrderedDict"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
     "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "getattr", "slice",
                            "complex", "bytearray"}),
     "enum": frozenset(),

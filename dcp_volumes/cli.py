@@ -114,12 +114,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from dcp_volumes._version import __version__
 
-    try:
-        return version("dcp-volumes")
-    except PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 # --------------------------------------------------------------------------------------------

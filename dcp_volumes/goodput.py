@@ -96,9 +96,11 @@ def _non_negative(name: str, value: object, *, allow_inf: bool = False) -> float
 
 
 def _positive(name: str, value: object, *, allow_inf: bool = False) -> float:
-    x = _non_negative(name, value, allow_inf=allow_inf)
-    if x == 0:
-        raise ConfigError(f"{name} must be > 0, got 0")
+    x = _number(name, value)
+    if x <= 0:
+        raise ConfigError(f"{name} must be > 0, got {x:g}")
+    if math.isinf(x) and not allow_inf:
+        raise ConfigError(f"{name} must be finite, got {x:g}")
     return x
 
 

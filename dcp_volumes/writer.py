@@ -195,6 +195,11 @@ class VolumeWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not any(p.items for p in plans):
+            raise errors.ConfigError(
+                f"the state dict is empty on every rank: nothing to save to "
+                f"{redact_url(self._url)}; pass the model/optimizer state you mean to checkpoint"
+            )
         backend = self._backend()
 
         async def _check() -> bool:

@@ -1,0 +1,78 @@
+"""Run a function on N ranks (gloo on 127.0.0.1) for multi-rank tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+           env: dict[str, str], results: Any) -> None:
+    os.environ.update(env)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                init_method=f"tcp://127.0.0.1:{port}")
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException as exc:  # noqa: BLE001 — reported to the parent
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
+              env: dict[str, str] | None = None, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` must be importable (module level). Returns each rank's return value, in rank
+    order; raises ``RuntimeError`` with every failing rank's traceback otherwise.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, dict(env or {}), results),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, out = results.get(timeout=timeout)
+            if ok:
+                outputs[rank] = out
+            else:
+                failures.append(f"rank {rank}: {out}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [outputs[r] for r in range(world_size)]
