@@ -222,12 +222,19 @@ def gcs_rate_limited(**kwargs: Any) -> FaultRule:
 
 
 def azure_throttled(**kwargs: Any) -> FaultRule:
-    """A ``status`` rule answering 429 ServerBusy (with ``x-ms-error-code``) like Azure Blob."""
+    """A ``status`` rule answering ServerBusy (with ``x-ms-error-code``) like Azure Blob.
+
+    The default status is 503, which is what Blob storage sends when it throttles and what
+    azure-storage-blob retries. Pass ``status=429`` for the generic Azure throttling answer:
+    azure-storage-blob does *not* retry 429 (its ``is_retry`` treats 4xx other than 408 as
+    final). Its default ``ExponentialRetry`` waits ~15 s before the first retry, and adlfs
+    offers no way to change that.
+    """
     opts: dict[str, Any] = {
-        "status": 429,
+        "status": 503,
         "body": AZURE_SERVER_BUSY_XML,
         "headers": {"x-ms-error-code": "ServerBusy"},
-        "name": "azure 429",
+        "name": "azure ServerBusy",
         **kwargs,
     }
     return FaultRule(action="status", **opts)

@@ -88,3 +88,36 @@ def load_on_ranks(rank: int, world_size: int, url: str, reader_kwargs: dict[str,
         raise AssertionError("non-tensor objects differ after load")
     stats = getattr(reader, "last_stats", None)
     return stats.as_dict() if stats else {}
+
+
+def async_save_on_ranks(rank: int, world_size: int, url: str, writer_kwargs: dict[str, Any],
+                        checkpointer: str) -> dict[str, Any]:
+    """``dcp.async_save`` with the THREAD or PROCESS checkpointer; the caller keeps training
+    while it runs. Returns how long the call blocked and how many training steps ran before
+    the upload finished."""
+    import time
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_volumes import VolumeWriter
+
+    state = build_state(world_size, zeros=False)
+    writer = VolumeWriter(url, **writer_kwargs)
+    kind = AsyncCheckpointerType[checkpointer.upper()]
+    start = time.monotonic()
+    response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
+    blocked = time.monotonic() - start
+    future = getattr(response, "upload_completion", response)
+    steps = 0
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    while not future.done():
+        loss = model(torch.randn(32, 64)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    future.result()
+    dist.barrier()
+    return {"blocked_s": blocked, "steps_during_upload": steps,
+            "total_s": time.monotonic() - start}
