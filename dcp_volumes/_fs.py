@@ -181,6 +181,10 @@ def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolum
         return errors.CheckpointExistsError(
             f"{where} already exists (conditional write refused): another save committed first"
         )
+    if code == "InvalidRange" or status == 416:
+        return errors.IntegrityError(
+            f"{op} of {where} asked for bytes past the end of the object: it is truncated"
+        )
     if code in _MISSING_KEY_CODES or status == 404 or isinstance(exc, FileNotFoundError):
         return errors.ObjectNotFoundError(f"{op} of {where} failed: object not found")
     if is_transient(exc):

@@ -433,13 +433,15 @@ def fetch_ranges(
     ranges: list[RangeRequest],
     *,
     max_concurrency: int,
+    chunk_size: int,
     stats: CallStats,
     on_missing: Callable[[RangeRequest, BaseException], BaseException],
 ) -> Iterator[tuple[RangeRequest, bytes]]:
     """Fetch ``ranges`` concurrently; yield each with its bytes as it arrives.
 
     At most ``max_concurrency`` GETs are in flight and at most ``2 × max_concurrency``
-    fetched ranges wait for the consumer, which bounds memory.
+    fetched ranges wait for the consumer, which bounds memory. A range larger than
+    ``chunk_size`` (one large item) is fetched as parallel GETs of ``chunk_size``.
     """
     results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
     slots_holder: dict[str, asyncio.Semaphore] = {}
@@ -452,15 +454,32 @@ def fetch_ranges(
             slots.release()
             return
         try:
-            async with inflight:
-                data = await backend.cat(req.relative, start=req.start, end=req.end,
-                                         stats=stats)
+            data = await _fetch_one(req, inflight)
             results.put((req, data))
         except BaseException as exc:  # noqa: BLE001 — handed to the consumer
             slots.release()
             if isinstance(exc, errors.ObjectNotFoundError):
                 exc = on_missing(req, exc)
             results.put((None, exc))
+
+    async def _get(req: RangeRequest, start: int, end: int,
+                   inflight: asyncio.Semaphore) -> bytes:
+        async with inflight:
+            return await backend.cat(req.relative, start=start, end=end, stats=stats)
+
+    async def _fetch_one(req: RangeRequest, inflight: asyncio.Semaphore) -> bytes | bytearray:
+        size = req.end - req.start
+        if size <= chunk_size:
+            return await _get(req, req.start, req.end, inflight)
+        # One large item: parallel ranged GETs of chunk_size, assembled in place.
+        bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
+        chunks = await asyncio.gather(*(_get(req, a, b, inflight) for a, b in bounds))
+        out = bytearray(sum(len(c) for c in chunks))
+        pos = 0
+        for chunk in chunks:
+            out[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return out
 
     async def _all() -> None:
         inflight = asyncio.Semaphore(max_concurrency)

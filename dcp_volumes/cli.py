@@ -1,9 +1,12 @@
 """The ``dcp-volumes`` command.
 
-Each subcommand is two functions: ``_add_<name>(subparsers)`` declares its parser and sets
-``handler=_run_<name>``; ``_run_<name>(args) -> int`` does the work and returns the exit code.
-To add one, write both and append ``_add_<name>`` to :data:`_SUBCOMMANDS` at the bottom of this
-file. Handlers raise; they never print errors or call ``sys.exit``: :func:`main` turns
+Each subcommand is two functions. ``_add_<name>(sub, common)`` declares its parser with
+``sub.add_parser("<name>", parents=[common], ...)`` (``common`` carries ``--debug``) and calls
+``set_defaults(handler=_run_<name>)``; ``_run_<name>(args) -> int`` does the work and returns
+the exit code. To add one, write both (here or in a module of its own) and append
+``_add_<name>`` to :data:`_SUBCOMMANDS` at the bottom of this file; ``--json`` output goes
+through :func:`_print_json`. Handlers raise; they never print errors or call ``sys.exit``:
+:func:`main` turns
 ``dcp_volumes.errors`` exceptions, ``OSError`` and ``ValueError`` into one line
 ``dcp-volumes: error: ...`` on stderr (the traceback only with ``--debug``) and picks the exit
 code: 0 success, 1 failure, 2 usage or configuration error.
@@ -129,9 +132,9 @@ def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="choose a checkpoint interval from a failure rate and checkpoint cost",
         description=(
-            "Expected goodput over checkpoint intervals, the Young/Daly optimal interval and "
-            "the odds of an interruption, from a failure rate and a checkpoint cost. "
-            "Model and assumptions: docs/goodput.md."
+            "Expected goodput over checkpoint intervals, the Young/Daly optimal interval\n"
+            "and the odds of an interruption, from a failure rate and a checkpoint cost.\n"
+            "Model, assumptions and limits: docs/goodput.md."
         ),
         epilog=(
             "examples:\n"
@@ -183,7 +186,10 @@ def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
         "--async",
         dest="use_async",
         action="store_true",
-        help="with --from-bench: use async_block_s (async_save) not save_s",
+        help=(
+            "with --from-bench: use async_block_s (what async_save blocks) not save_s; the "
+            "upload still delays durability, so add its duration to --restart-cost-s"
+        ),
     )
     p.add_argument(
         "--restart-cost-s",
@@ -342,11 +348,11 @@ def _plan_summary(plan: Plan) -> list[tuple[str, str]]:
     from dcp_volumes.goodput import format_duration
 
     m_h = plan.mttf_hours
-    mttf = (
-        "inf (no failures)"
-        if math.isinf(m_h)
-        else (f"{m_h:.4g} h ({format_duration(m_h * 3600.0)})")
-    )
+    if math.isinf(m_h):
+        mttf = "inf (no failures)"
+    else:
+        human = format_duration(m_h * 3600.0)
+        mttf = f"{m_h:.4g} h" + ("" if human == f"{m_h:.4g}h" else f" ({human})")
     lines = [
         ("failure model", plan.failure_model.describe()),
         ("job MTTF", mttf),
@@ -359,8 +365,8 @@ def _plan_summary(plan: Plan) -> list[tuple[str, str]]:
             (
                 "job",
                 (
-                    f"{plan.job_hours:g} h: P(>=1 interruption) = "
-                    f"{plan.interruption_probability:.2%}, "
+                    f"{plan.job_hours:g} h: P(>=1 interruption) "
+                    f"{_probability(plan.interruption_probability)}, "
                     f"expected interruptions {plan.expected_failures:.3g}"
                 ),
             )
@@ -382,6 +388,13 @@ def _plan_summary(plan: Plan) -> list[tuple[str, str]]:
             )
         )
     return lines
+
+
+def _probability(p: float) -> str:
+    # 1 − e^(−60) prints as 100.00%, which reads as certainty; say what is known instead.
+    if p > 0.9999:
+        return "> 99.99%"
+    return f"= {p:.2%}"
 
 
 def _plan_table(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
@@ -478,7 +491,12 @@ def _print_json(doc: Any) -> None:
 # --------------------------------------------------------------------------------------------
 # Registry: one entry per subcommand, in `dcp-volumes --help` order.
 
-_SUBCOMMANDS: tuple[Callable[[Any, argparse.ArgumentParser], None], ...] = (_add_plan,)
+Registrar = Callable[[Any, argparse.ArgumentParser], None]
+
+_SUBCOMMANDS: tuple[Registrar, ...] = (
+    _add_plan,
+    # _add_ls, _add_latest, _add_info, _add_verify, _add_rm, _add_gc, _add_bench
+)
 
 
 if __name__ == "__main__":

@@ -235,6 +235,7 @@ class VolumeReader(StorageReader):
 
         for req, data in fetch_ranges(backend, ranges,
                                       max_concurrency=self.transfer.max_concurrency,
+                                      chunk_size=self.transfer.part_size,
                                       stats=stats, on_missing=_missing):
             fetched += len(data)
             view = memoryview(data)

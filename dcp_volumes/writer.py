@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -32,6 +33,7 @@ from dcp_volumes._manifest import (
     set_save_id,
 )
 from dcp_volumes._spool import SpoolFile, check_free_space
+from dcp_volumes._staging import StagingBuffers
 from dcp_volumes._stats import SaveStats
 from dcp_volumes._transfer import Uploader
 from dcp_volumes._version import __version__
@@ -92,7 +94,7 @@ def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class VolumeWriter(StorageWriter):
+class VolumeWriter(StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` for any fsspec URL: spool, concurrent upload, commit last.
 
     Example::
@@ -113,7 +115,14 @@ class VolumeWriter(StorageWriter):
         spool: where shards are serialized before upload (:class:`SpoolOptions`).
         transfer: part size and concurrency (:class:`TransferOptions`).
         retry: retries of transient errors (:class:`RetryOptions`).
+
+    With ``dcp.async_save`` the writer is also the stager: it copies the state dict into CPU
+    buffers allocated on the first save and reused by later ones (never while a save that
+    reads them is still running), so the training loop blocks only for a memory copy.
     """
+
+    # Staging is a blocking copy: nothing to synchronize after async_save returns.
+    _synchronize_after_execute: bool = False
 
     def __init__(
         self,
@@ -146,15 +155,33 @@ class VolumeWriter(StorageWriter):
         self._rank = 0
         self._save_id: str | None = None
         self.last_stats: SaveStats | None = None
+        self._staging = StagingBuffers()
 
     # ---- pickling (AsyncCheckpointerType.PROCESS): config only -------------------------
     def __getstate__(self) -> dict[str, Any]:
+        # Being pickled means a save runs in another process that reads our staged buffers
+        # where we cannot see it finish: stop reusing them (see _staging).
+        self._staging.disable_reuse()
         state = self.__dict__.copy()
         state["_backend_obj"] = None
+        state["_staging"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._staging = StagingBuffers()
+
+    # ---- AsyncStager ---------------------------------------------------------------------
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into reusable CPU buffers (called by ``dcp.async_save``)."""
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns after the copy is complete."""
+
+    def close(self) -> None:
+        """Free the staging buffers."""
+        self._staging.close()
 
     def __repr__(self) -> str:
         return f"VolumeWriter({redact_url(self._url)!r}, overwrite={self.overwrite})"
@@ -267,6 +294,7 @@ class VolumeWriter(StorageWriter):
         finally:
             for sf in spools:
                 sf.discard()
+            self._staging.release_oldest()
         end = time.monotonic()
         self.last_stats = SaveStats(
             rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),

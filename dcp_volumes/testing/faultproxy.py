@@ -58,6 +58,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from dcp_volumes.testing.servers import LocalServer
 
 __all__ = [
@@ -155,7 +157,9 @@ class FaultRule:
 
     def __post_init__(self) -> None:
         if self.action not in _ACTIONS:
-            raise ValueError(f"FaultRule.action must be one of {sorted(_ACTIONS)}, got {self.action!r}")
+            raise ValueError(
+                f"FaultRule.action must be one of {sorted(_ACTIONS)}, got {self.action!r}"
+            )
         if self.times is not None and self.times < 0:
             raise ValueError(f"FaultRule.times must be >= 0 or None (forever), got {self.times}")
         if self.skip < 0:
@@ -208,7 +212,10 @@ def s3_slowdown(**kwargs: Any) -> FaultRule:
 def s3_internal_error(**kwargs: Any) -> FaultRule:
     """A ``status`` rule answering 500 InternalError like S3."""
     opts: dict[str, Any] = {
-        "status": 500, "body": S3_INTERNAL_ERROR_XML, "name": "s3 InternalError", **kwargs,
+        "status": 500,
+        "body": S3_INTERNAL_ERROR_XML,
+        "name": "s3 InternalError",
+        **kwargs,
     }
     return FaultRule(action="status", **opts)
 
@@ -216,7 +223,10 @@ def s3_internal_error(**kwargs: Any) -> FaultRule:
 def gcs_rate_limited(**kwargs: Any) -> FaultRule:
     """A ``status`` rule answering 429 rateLimitExceeded like the GCS JSON API."""
     opts: dict[str, Any] = {
-        "status": 429, "body": GCS_RATE_LIMIT_JSON, "name": "gcs 429", **kwargs,
+        "status": 429,
+        "body": GCS_RATE_LIMIT_JSON,
+        "name": "gcs 429",
+        **kwargs,
     }
     return FaultRule(action="status", **opts)
 
@@ -334,7 +344,9 @@ class _Head:
             fields[key] = f"{fields[key]}, {text}" if key in fields else text
         return cls(start_line, headers, fields)
 
-    def serialize(self, *, drop: frozenset[bytes] = frozenset(), replace: Mapping[bytes, bytes] | None = None) -> bytes:
+    def serialize(
+        self, *, drop: frozenset[bytes] = frozenset(), replace: Mapping[bytes, bytes] | None = None
+    ) -> bytes:
         parts = [self.start_line]
         for name, value in self.headers:
             lname = name.lower()
@@ -537,7 +549,9 @@ class FaultProxy:
             url = upstream.endpoint_url
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname:
-            raise ValueError(f"upstream must be an http://host:port URL or a LocalServer, got {url!r}")
+            raise ValueError(
+                f"upstream must be an http://host:port URL or a LocalServer, got {url!r}"
+            )
         self.upstream_host: str = parsed.hostname
         self.upstream_port: int = parsed.port or 80
         self.host = host
@@ -585,7 +599,7 @@ class FaultProxy:
                         self._handle, self.host, self.port, limit=_MAX_HEAD, backlog=1024
                     )
                 )
-            except BaseException as exc:  # report to start(), which re-raises
+            except BaseException as exc:  # noqa: BLE001 - start() re-raises it in its thread
                 started["error"] = exc
                 ready.set()
                 loop.close()
@@ -631,7 +645,7 @@ class FaultProxy:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -659,7 +673,9 @@ class FaultProxy:
 
     def _require_server(self) -> LocalServer:
         if self._server_obj is None:
-            raise RuntimeError("FaultProxy was given a URL, not a LocalServer; build options yourself")
+            raise RuntimeError(
+                "FaultProxy was given a URL, not a LocalServer; build options yourself"
+            )
         return self._server_obj
 
     # -- rules, profile, stats -------------------------------------------------------------
@@ -739,7 +755,7 @@ class FaultProxy:
             await conn.serve()
         except asyncio.CancelledError:
             pass
-        except Exception as exc:  # a broken connection must never take the proxy down
+        except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the proxy
             logger.debug("fault proxy connection ended: %r", exc)
         finally:
             conn.close()
@@ -751,7 +767,9 @@ class FaultProxy:
 class _Connection:
     """One client connection and the upstream connection it uses (opened lazily)."""
 
-    def __init__(self, proxy: FaultProxy, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, proxy: FaultProxy, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter
+    ) -> None:
         self.proxy = proxy
         self.creader = creader
         self.cwriter = cwriter
@@ -787,12 +805,13 @@ class _Connection:
         if self.uwriter is not None:
             self.uwriter.transport.abort()
         proxy = self.proxy
-        self.ureader, self.uwriter = await asyncio.wait_for(
+        reader, writer = await asyncio.wait_for(
             asyncio.open_connection(proxy.upstream_host, proxy.upstream_port, limit=_MAX_HEAD),
             proxy.connect_timeout,
         )
-        self.uwriter.transport.set_write_buffer_limits(high=4 * _BUF)
-        return self.ureader, self.uwriter, False
+        writer.transport.set_write_buffer_limits(high=4 * _BUF)
+        self.ureader, self.uwriter = reader, writer
+        return reader, writer, False
 
     async def serve(self) -> None:
         while True:
@@ -845,7 +864,9 @@ class _Connection:
         uwriter.write(req.serialize(drop=frozenset((b"expect",))))
         limit = rule.nbytes if rule is not None and action == "fail_after_bytes" else None
         try:
-            await _relay_body(self.creader, _Sink(uwriter, self._bucket("up"), limit), framing, length)
+            await _relay_body(
+                self.creader, _Sink(uwriter, self._bucket("up"), limit), framing, length
+            )
         except _Cut:
             _abort(self.cwriter, rst=True)
             _abort(uwriter, rst=True)
@@ -871,9 +892,10 @@ class _Connection:
         replace: dict[bytes, bytes] = {}
         location = resp.fields.get("location")
         if location is not None and location.encode("latin-1").startswith(self._location_from):
-            replace[b"location"] = self.proxy.endpoint_url.encode() + location.encode("latin-1")[
-                len(self._location_from) :
-            ]
+            replace[b"location"] = (
+                self.proxy.endpoint_url.encode()
+                + location.encode("latin-1")[len(self._location_from) :]
+            )
         delay = self.proxy.profile.first_byte_delay_s
         if delay:
             await asyncio.sleep(delay)
@@ -881,7 +903,11 @@ class _Connection:
         await csink.send(resp.serialize(replace=replace))
         if action == "truncate":
             assert rule is not None
-            nbytes = rule.nbytes if rule.nbytes is not None else (rlength // 2 if rframing == "length" else 0)
+            nbytes = (
+                rule.nbytes
+                if rule.nbytes is not None
+                else (rlength // 2 if rframing == "length" else 0)
+            )
             csink.limit = csink.sent + nbytes
             try:
                 await _relay_body(ureader, csink, rframing, rlength)
@@ -903,7 +929,9 @@ class _Connection:
             return await self._upstream()
         except (OSError, asyncio.TimeoutError) as exc:
             # Behave like the unreachable server would: the client sees its connection drop.
-            logger.warning("fault proxy: cannot reach upstream %s: %r", self.proxy.upstream_url, exc)
+            logger.warning(
+                "fault proxy: cannot reach upstream %s: %r", self.proxy.upstream_url, exc
+            )
             _abort(self.cwriter, rst=True)
             return None, None, False
 
@@ -917,16 +945,20 @@ class _Connection:
         if body and "content-type" not in headers:
             stripped = body.lstrip()
             headers["content-type"] = (
-                "application/xml" if stripped.startswith(b"<")
-                else "application/json" if stripped.startswith(b"{")
+                "application/xml"
+                if stripped.startswith(b"<")
+                else "application/json"
+                if stripped.startswith(b"{")
                 else "text/plain"
             )
         headers["content-length"] = str(len(body))
         headers.setdefault("x-amz-request-id", "FAULTPROXY")
         headers.setdefault("date", time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime()))
-        head = f"HTTP/1.1 {rule.status} {reason}\r\n" + "".join(
-            f"{k}: {v}\r\n" for k, v in headers.items()
-        ) + "\r\n"
+        head = (
+            f"HTTP/1.1 {rule.status} {reason}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + "\r\n"
+        )
         delay = self.proxy.profile.first_byte_delay_s
         if delay:
             await asyncio.sleep(delay)

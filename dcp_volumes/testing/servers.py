@@ -58,7 +58,10 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "AZURITE_ACCOUNT_KEY",
@@ -139,6 +142,8 @@ def free_ports(n: int) -> list[int]:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # Like the servers themselves: connections in TIME_WAIT do not make the port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((LOOPBACK, port))
         except OSError:
@@ -185,7 +190,9 @@ def wait_until(
         interval = min(interval * 1.5, 0.25)
 
 
-def _http_answers(url: str, timeout: float = 1.0, *, ok_statuses: frozenset[int] | None = None) -> bool:
+def _http_answers(
+    url: str, timeout: float = 1.0, *, ok_statuses: frozenset[int] | None = None
+) -> bool:
     """True when ``url`` gives any HTTP response (or one of ``ok_statuses`` when given)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -295,6 +302,9 @@ class LocalServer:
     def start(self) -> None:
         """Start the server and wait until it answers. Does nothing if already running.
 
+        A restart (``stop(); start()``) reuses the previous ports and credentials when the
+        ports are still free, so clients configured before keep working.
+
         Raises:
             ServerNotAvailableError: The server's program is not installed.
             ServerStartError: The process exited or did not answer within ``startup_timeout``;
@@ -306,7 +316,7 @@ class LocalServer:
             self._cleanup()
             for attempt in range(1, self.start_attempts + 1):
                 try:
-                    self._start_once()
+                    self._start_once(reuse_ports=attempt == 1)
                     return
                 except ServerStartError:
                     exited = self._proc is not None and self._proc.poll() is not None
@@ -315,7 +325,9 @@ class LocalServer:
                         raise
                     logger.warning(
                         "%s exited during startup (attempt %d/%d); retrying on new ports",
-                        self.name, attempt, self.start_attempts,
+                        self.name,
+                        attempt,
+                        self.start_attempts,
                     )
                 except BaseException:
                     self.stop()
@@ -334,12 +346,16 @@ class LocalServer:
                 except subprocess.TimeoutExpired:
                     logger.warning(
                         "%s (pid %d) ignored SIGTERM for %.1fs; sending SIGKILL",
-                        self.name, proc.pid, self.stop_timeout,
+                        self.name,
+                        proc.pid,
+                        self.stop_timeout,
                     )
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGKILL)
                     proc.wait()
-                logger.info("stopped %s (pid %d) in %.2fs", self.name, proc.pid, time.monotonic() - t0)
+                logger.info(
+                    "stopped %s (pid %d) in %.2fs", self.name, proc.pid, time.monotonic() - t0
+                )
             elif proc is not None:
                 proc.wait()
             self._cleanup()
@@ -402,7 +418,7 @@ class LocalServer:
         except OSError:
             return ""
 
-    def __enter__(self) -> LocalServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -423,6 +439,10 @@ class LocalServer:
     def _allocate_ports(self) -> None:
         """Choose ports for this attempt (sets ``self.port`` and any others)."""
         self.port = free_port()
+
+    def _previous_ports_free(self) -> bool:
+        """True when the ports of an earlier run can be used again (a restart keeps its URL)."""
+        return self.port != 0 and _port_is_free(self.port)
 
     def _prepare(self, workdir: Path) -> None:
         """Write config files into ``workdir`` before the process starts."""
@@ -446,8 +466,9 @@ class LocalServer:
         if self._proc is None:
             raise RuntimeError(f"{self.name} server is not running; call start() first")
 
-    def _start_once(self) -> None:
-        self._allocate_ports()
+    def _start_once(self, *, reuse_ports: bool) -> None:
+        if not (reuse_ports and self._previous_ports_free()):
+            self._allocate_ports()
         workdir = Path(tempfile.mkdtemp(prefix=f"dcp-volumes-{self.name}-"))
         self._workdir = workdir
         self._prepare(workdir)
@@ -491,7 +512,11 @@ class LocalServer:
         self.start_seconds = time.monotonic() - t0
         logger.info(
             "%s ready at http://%s:%d (pid %d) in %.2fs",
-            self.name, LOOPBACK, self.port, proc.pid, self.start_seconds,
+            self.name,
+            LOOPBACK,
+            self.port,
+            proc.pid,
+            self.start_seconds,
         )
 
     def _cleanup(self) -> None:
@@ -588,12 +613,24 @@ class SeaweedFSServer(_S3Server):
             )
         return binary
 
+    def _previous_ports_free(self) -> bool:
+        return bool(self.ports) and all(_port_is_free(p) for p in self.ports.values())
+
     def _allocate_ports(self) -> None:
         admin = _free_port_with_partner(10000, set())
         others = free_ports(8)
         while {admin, admin + 10000} & set(others):
             others = free_ports(8)
-        names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc"]
+        names = [
+            "master",
+            "master.grpc",
+            "volume",
+            "volume.grpc",
+            "filer",
+            "filer.grpc",
+            "s3",
+            "s3.grpc",
+        ]
         self.ports = dict(zip(names, others))
         self.ports["admin"] = admin
         self.ports["admin.grpc"] = admin + 10000
@@ -709,7 +746,9 @@ class FakeGCSServer(LocalServer):
     protocol: ClassVar[str] = "gs"
     child_env: ClassVar[dict[str, str]] = {"GOMEMLIMIT": "256MiB"}
 
-    def __init__(self, *, binary: str | None = None, log_level: str = "warn", **kwargs: Any) -> None:
+    def __init__(
+        self, *, binary: str | None = None, log_level: str = "warn", **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._binary = binary
         self.log_level = log_level
@@ -732,14 +771,22 @@ class FakeGCSServer(LocalServer):
         url = f"http://{LOOPBACK}:{self.port}"
         return [
             self._binary or self.find_binary(),
-            "-scheme", "http",
-            "-host", LOOPBACK,
-            "-port", str(self.port),
-            "-backend", "filesystem",
-            "-filesystem-root", str(workdir / "data"),
-            "-external-url", url,
-            "-public-host", f"{LOOPBACK}:{self.port}",
-            "-log-level", self.log_level,
+            "-scheme",
+            "http",
+            "-host",
+            LOOPBACK,
+            "-port",
+            str(self.port),
+            "-backend",
+            "filesystem",
+            "-filesystem-root",
+            str(workdir / "data"),
+            "-external-url",
+            url,
+            "-public-host",
+            f"{LOOPBACK}:{self.port}",
+            "-log-level",
+            self.log_level,
         ]
 
     def _is_ready(self) -> bool:
@@ -781,7 +828,9 @@ class AzuriteServer(LocalServer):
     name: ClassVar[str] = "azurite"
     protocol: ClassVar[str] = "az"
 
-    def __init__(self, *, binary: str | None = None, node: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, binary: str | None = None, node: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._binary = binary
         self._node = node
@@ -835,9 +884,12 @@ class AzuriteServer(LocalServer):
         return [
             node,
             self._binary or self.find_binary(),
-            "--blobHost", LOOPBACK,
-            "--blobPort", str(self.port),
-            "--location", str(workdir / "data"),
+            "--blobHost",
+            LOOPBACK,
+            "--blobPort",
+            str(self.port),
+            "--location",
+            str(workdir / "data"),
             "--skipApiVersionCheck",
             "--loose",
             "--disableTelemetry",
