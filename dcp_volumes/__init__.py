@@ -1,20 +1,32 @@
 """dcp_volumes: fast, safe PyTorch Distributed Checkpoint (DCP) storage on object stores.
 
 Pass a :class:`VolumeWriter` as ``storage_writer=`` to ``dcp.save``/``dcp.async_save`` and a
-:class:`VolumeReader` as ``storage_reader=`` to ``dcp.load``, with any fsspec URL.
+:class:`VolumeReader` as ``storage_reader=`` to ``dcp.load``, with any fsspec URL; a training
+loop can hold one :class:`Checkpointer` instead.
+
+The public names are resolved lazily (module ``__getattr__``): importing the package does not
+import torch, so the ``dcp-volumes`` command starts fast and ``ls``/``latest``/``gc`` never pay
+for torch. ``from dcp_volumes import VolumeWriter`` works as usual.
 """
 
 from __future__ import annotations
 
-from dcp_volumes._stats import LoadStats, SaveStats
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dcp_volumes._version import __version__
-from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
-from dcp_volumes.reader import VolumeReader
-from dcp_volumes.writer import VolumeWriter
+
+if TYPE_CHECKING:
+    from dcp_volumes._stats import LoadStats, SaveStats
+    from dcp_volumes.checkpointer import Checkpointer
+    from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+    from dcp_volumes.reader import VolumeReader
+    from dcp_volumes.writer import VolumeWriter
 
 __all__ = [
     "VolumeWriter",
     "VolumeReader",
+    "Checkpointer",
     "SpoolOptions",
     "TransferOptions",
     "RetryOptions",
@@ -22,3 +34,29 @@ __all__ = [
     "LoadStats",
     "__version__",
 ]
+
+# Public name → module that defines it. Only these are resolved lazily.
+_LAZY: dict[str, str] = {
+    "VolumeWriter": "dcp_volumes.writer",
+    "VolumeReader": "dcp_volumes.reader",
+    "Checkpointer": "dcp_volumes.checkpointer",
+    "SpoolOptions": "dcp_volumes.config",
+    "TransferOptions": "dcp_volumes.config",
+    "RetryOptions": "dcp_volumes.config",
+    "SaveStats": "dcp_volumes._stats",
+    "LoadStats": "dcp_volumes._stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        # AttributeError lets `from dcp_volumes import <submodule>` fall back to importing it.
+        raise AttributeError(f"module 'dcp_volumes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -89,8 +89,26 @@ def redact_url(url: str) -> str:
     return re.sub(r"(?<=://)[^/@]*@", "***@", url)
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it wraps (filesystems re-raise client errors as builtins)."""
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out and len(out) < 8:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
 def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
-    """Extract (HTTP status, service error code) from any backend exception we know."""
+    """(HTTP status, service error code) of the first exception in the chain that has one."""
+    for e in _chain(exc):
+        status, code = _own_status_and_code(e)
+        if status is not None or code is not None:
+            return status, code
+    return None, None
+
+
+def _own_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):  # botocore ClientError
         err = response.get("Error", {}) or {}
@@ -112,6 +130,10 @@ def _status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
 
 
 def _is_connection_error(exc: BaseException) -> bool:
+    return any(_own_connection_error(e) for e in _chain(exc))
+
+
+def _own_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     names = {cls.__name__ for cls in type(exc).__mro__}
@@ -235,7 +257,7 @@ class Backend:
         self.scheme = scheme
         if kind == "s3":
             # Our own retry loop is the only one: botocore's would multiply attempts.
-            opts.setdefault("config_kwargs", {"retries": {"max_attempts": 1, "mode": "standard"}})
+            opts.setdefault("config_kwargs", {"retries": {"total_max_attempts": 1, "mode": "standard"}})
         try:
             fs, root = fsspec.url_to_fs(url, **opts)
         except (ImportError, ValueError) as exc:
@@ -324,21 +346,45 @@ class Backend:
                 await asyncio.sleep(delay)
 
     # ---- small object operations -------------------------------------------------------
+    def azure_blob(self, relative: str) -> Any:
+        """An async Azure ``BlobClient`` for an object under the root (Azure only)."""
+        container, blob, _ = self.fs.split_path(self.path(relative))
+        return self.fs.service_client.get_blob_client(container=container, blob=blob)
+
     async def cat(self, relative: str, *, op: str = "download", stats: CallStats | None = None,
                   start: int | None = None, end: int | None = None) -> bytes:
         path = self.path(relative)
+        if self.kind == "azure":
+            # retry_total=0: our loop retries (the SDK's first retry waits ~15 s).
+            async def _azure_get() -> bytes:
+                length = None if end is None else end - (start or 0)
+                stream = await self.azure_blob(relative).download_blob(
+                    offset=start, length=length, retry_total=0)
+                return await stream.readall()  # type: ignore[no-any-return]
+            return await self.call(_azure_get, op=op, url=self.object_url(relative), stats=stats)
         return await self.call(
             lambda: self.fs_call("cat_file", path, start=start, end=end),
             op=op, url=self.object_url(relative), stats=stats,
         )
 
-    async def put(self, relative: str, data: bytes, *, stats: CallStats | None = None) -> None:
+    async def put(self, relative: str, data: bytes, *, stats: CallStats | None = None,
+                  exclusive: bool = False) -> None:
+        """Write a small object in one request (conditional create when ``exclusive``)."""
         path = self.path(relative)
-        await self.call(lambda: self.fs_call("pipe_file", path, data), op="upload",
-                        url=self.object_url(relative), stats=stats)
+        if self.kind == "azure":
+            fn: Callable[[], Awaitable[Any]] = lambda: self.azure_blob(relative).upload_blob(  # noqa: E731
+                data, overwrite=not exclusive, retry_total=0)
+        elif exclusive:
+            fn = lambda: self.fs_call("pipe_file", path, data, mode="create")  # noqa: E731
+        else:
+            fn = lambda: self.fs_call("pipe_file", path, data)  # noqa: E731
+        if self.kind == "local":
+            os.makedirs(self.root, exist_ok=True)
+        await self.call(fn, op="upload", url=self.object_url(relative), stats=stats)
 
     async def exists(self, relative: str) -> bool:
         path = self.path(relative)
+        self.fs.invalidate_cache(path)  # other processes write here: never trust a listing cache
         try:
             await self.call(lambda: self.fs_call("info", path), op="read",
                             url=self.object_url(relative))
@@ -382,9 +428,9 @@ class Backend:
     async def check_bucket(self) -> None:
         """Fail fast (before any byte moves) on a missing bucket or refused credentials."""
         if self.kind not in ("s3", "gcs", "azure"):
-            if self.kind == "local" and os.path.isfile(self.root):
+            if await self._is_file(self.root):
                 raise errors.ConfigError(
-                    f"{self.root} is a file, not a directory: choose a directory path"
+                    f"{redact_url(self.url)} is a file, not a directory: choose a directory path"
                 )
             return
         bucket = self.root.split("/", 1)[0]

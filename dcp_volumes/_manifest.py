@@ -226,7 +226,10 @@ async def _commit_s3(backend: Backend, data: bytes, *, exclusive: bool) -> None:
 
 async def _commit_generic(backend: Backend, data: bytes, *, exclusive: bool) -> None:
     path = backend.path(METADATA)
-    if exclusive:
+    if backend.kind == "azure":
+        await backend.azure_blob(METADATA).upload_blob(data, overwrite=not exclusive,
+                                                       retry_total=0)
+    elif exclusive:
         await backend.fs_call("pipe_file", path, data, mode="create")
     else:
         await backend.fs_call("pipe_file", path, data)

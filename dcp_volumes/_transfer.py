@@ -130,6 +130,9 @@ class _S3Sink(_Sink):
 
 
 class _AzureSink(_Sink):
+    # retry_total=0: the SDK's own policy waits ~15 s before its first retry; our loop
+    # (Backend.call) retries instead, with our backoff, and counts the retries.
+
     def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
         super().__init__(backend, relative, stats)
         container, blob, _ = backend.fs.split_path(self.path)
@@ -149,12 +152,13 @@ class _AzureSink(_Sink):
         if part.number == 1 and part.final:
             self._single = True
             await self.backend.call(
-                lambda: bc.upload_blob(bytes(data), overwrite=True),
+                lambda: bc.upload_blob(bytes(data), overwrite=True, retry_total=0),
                 op="upload", url=self.url, stats=self.stats,
             )
             return
         await self.backend.call(
-            lambda: bc.stage_block(self._block_id(part.number), bytes(data), length=len(data)),
+            lambda: bc.stage_block(self._block_id(part.number), bytes(data), length=len(data),
+                                   retry_total=0),
             op="upload", url=self.url, stats=self.stats,
         )
 
@@ -165,7 +169,7 @@ class _AzureSink(_Sink):
 
         bc = self._client()
         blocks = [BlobBlock(block_id=self._block_id(n)) for n in range(1, nparts + 1)]
-        await self.backend.call(lambda: bc.commit_block_list(blocks), op="upload",
+        await self.backend.call(lambda: bc.commit_block_list(blocks, retry_total=0), op="upload",
                                 url=self.url, stats=self.stats)
 
     async def abort(self) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_volumes import RetryOptions, SpoolOptions, TransferOptions, VolumeReader, VolumeWriter
 from dcp_volumes import errors
+from dcp_volumes.testing.states import assert_state_equal, mixed_state, zeros_like_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -36,53 +37,6 @@ def failures_of(exc: BaseException) -> list[BaseException]:
     """The original exceptions DCP wrapped in a CheckpointException."""
     assert isinstance(exc, CheckpointException), exc
     return [err for err, _tb in exc.failures.values()]
-
-
-def mixed_state() -> dict:
-    g = torch.Generator().manual_seed(0)
-    big = torch.randn(6 * MiB // 4, generator=g)  # larger than one 5 MiB part
-    base = torch.randn(64, 48, generator=g)
-    return {
-        "f32": torch.randn(33, 17, generator=g),
-        "bf16": torch.randn(100, generator=g).to(torch.bfloat16),
-        "f16": torch.randn(7, 3, generator=g).to(torch.float16),
-        "i8": torch.randint(-128, 127, (55,), dtype=torch.int8, generator=g),
-        "bool": torch.rand(40, generator=g) > 0.5,
-        "c64": torch.randn(9, dtype=torch.complex64, generator=g),
-        "empty": torch.empty(0, 5),
-        "scalar": torch.tensor(2.5),
-        "view_t": base.t(),
-        "view_slice": base[::3, 5:20],
-        "big": big,
-        "many": {f"p{i}": torch.full((i % 7 + 1,), float(i)) for i in range(300)},
-        "nested": {"opt": {"step": 17, "betas": (0.9, 0.99), "name": "adamw"}},
-    }
-
-
-def zeros_like_state(state: dict) -> dict:
-    def z(v):
-        if isinstance(v, torch.Tensor):
-            return torch.zeros_like(v.contiguous())
-        if isinstance(v, dict):
-            return {k: z(x) for k, x in v.items()}
-        return None
-    out = z(state)
-    out["nested"] = {"opt": {"step": 0, "betas": (0.0, 0.0), "name": ""}}
-    return out
-
-
-def assert_state_equal(got: dict, want: dict, path: str = "") -> None:
-    assert got.keys() == want.keys(), path
-    for k, w in want.items():
-        g = got[k]
-        if isinstance(w, torch.Tensor):
-            assert g.dtype == w.dtype and g.shape == w.shape, f"{path}{k}"
-            assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), \
-                f"{path}{k}"  # equal bits
-        elif isinstance(w, dict):
-            assert_state_equal(g, w, f"{path}{k}.")
-        else:
-            assert g == w, f"{path}{k}"
 
 
 def save(state, url, **kw):

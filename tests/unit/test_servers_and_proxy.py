@@ -384,7 +384,10 @@ class _Echo(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def echo_url() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 128  # the default of 5 drops connections under concurrency
+
+    httpd = Server(("127.0.0.1", 0), _Echo)
     httpd.daemon_threads = True
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()

@@ -1,0 +1,330 @@
+"""``Checkpointer``: the one object a training loop holds -- when to save, where, how many to keep,
+and where to resume from.
+
+Example::
+
+    ckpt = Checkpointer("s3://bucket/run-42", storage_options=opts, every_steps=500,
+                        keep_last=3, keep_every=10_000, async_save=True)
+    start = (ckpt.load_latest(state) or 0) + 1
+    for step in range(start, total + 1):
+        train_step()
+        ckpt.save(step, state)        # saves when the policy says so
+    ckpt.close()                      # waits for the last save; raises if it failed
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_volumes import catalog, errors
+from dcp_volumes._fs import _parse_scheme, redact_url
+from dcp_volumes.reader import VolumeReader
+from dcp_volumes.writer import VolumeWriter
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+__all__ = ["Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+_WRITER_KEYS = frozenset({"overwrite", "spool", "transfer", "retry"})
+
+
+@dataclass
+class _Pending:
+    step: int
+    url: str
+    done: concurrent.futures.Future[None]
+
+
+class Checkpointer:
+    """Save on a policy, keep what a retention policy says, resume from the latest checkpoint.
+
+    Checkpoint ``N`` goes to ``f"{root}/{step_format.format(step=N)}"`` (default
+    ``step-00000500``) through :class:`~dcp_volumes.VolumeWriter`; it is complete once its
+    ``.metadata`` is committed. After each commit, rank 0 applies the retention policy
+    (:func:`dcp_volumes.catalog.apply_retention`; a retention failure is logged as a warning,
+    it never fails the save).
+
+    Distributed runs: every rank constructs the Checkpointer at the same point (it creates gloo
+    process groups over all ranks, so it works whatever the default backend is) and calls
+    :meth:`save` and :meth:`load_latest` at the same steps. :meth:`should_save` is a collective
+    when ``every_seconds`` is set (rank 0's clock decides for everyone); otherwise it is local.
+
+    With ``async_save=True`` a save returns after staging (a memory copy) and uploads in a
+    background thread (``dcp.async_save``, THREAD executor, on a process group of its own so it
+    never interleaves with the training loop's collectives). The next :meth:`save` first waits
+    for the previous one; a failed background save is raised by the next :meth:`save`,
+    :meth:`wait`, :meth:`load_latest` or :meth:`close` -- never swallowed.
+
+    Args:
+        root: the run root, e.g. ``"s3://bucket/run-42"`` or a local directory.
+        storage_options: passed to fsspec unchanged; never logged.
+        every_steps: save when ``step % every_steps == 0``.
+        every_seconds: save when at least this long has passed since the last save started
+            (or since construction / :meth:`load_latest`). With both set, either triggers a
+            save; with neither, every :meth:`save` call saves.
+        keep_last: keep the last N complete checkpoints (see :func:`~dcp_volumes.catalog.
+            apply_retention`); ``None`` keeps all.
+        keep_every: also keep every checkpoint whose step is a multiple of K.
+        async_save: upload in the background (see above).
+        writer_options: keyword arguments for :class:`~dcp_volumes.VolumeWriter`: ``overwrite``,
+            ``spool``, ``transfer``, ``retry``.
+        step_format: directory name of a step, a ``str.format`` template with ``{step}``.
+        step_pattern: regular expression that parses the step back from a directory name
+            (default: :data:`dcp_volumes.catalog.DEFAULT_STEP_PATTERN`); must agree with
+            ``step_format``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        /,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        writer_options: dict[str, Any] | None = None,
+        step_format: str = "step-{step:08d}",
+        step_pattern: str | re.Pattern[str] | None = None,
+    ) -> None:
+        url = os.fspath(root)
+        _parse_scheme(url)
+        self.root = url.rstrip("/") if url.rstrip("/") else url
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
+        self.storage_options = dict(storage_options or {})
+        if every_steps is not None and (isinstance(every_steps, bool)
+                                        or not isinstance(every_steps, int) or every_steps < 1):
+            raise errors.ConfigError(f"every_steps must be a whole number >= 1 or None, "
+                                     f"got {every_steps!r}")
+        if every_seconds is not None and not every_seconds > 0:
+            raise errors.ConfigError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
+        catalog._check_count("keep_last", keep_last)
+        catalog._check_count("keep_every", keep_every)
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = bool(async_save)
+        self.writer_options = dict(writer_options or {})
+        unknown = set(self.writer_options) - _WRITER_KEYS
+        if unknown:
+            raise errors.ConfigError(f"writer_options has unknown keys {sorted(unknown)}: "
+                                     f"VolumeWriter takes {sorted(_WRITER_KEYS)}")
+        self.step_format = step_format
+        self.step_pattern = catalog._compile(step_pattern)
+        self._check_step_format()
+
+        self._writer: VolumeWriter | None = None
+        self._pending: _Pending | None = None
+        self._closed = False
+        self._last_step: int | None = None
+        self._last_save_t = time.monotonic()
+        self._lock = threading.Lock()
+        # Groups: control collectives (should_save, latest, sync save, load) run on the caller's
+        # thread; background saves get a group of their own so the two never interleave.
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._ctl_group: dist.ProcessGroup | None = None
+        self._save_group: dist.ProcessGroup | None = None
+        if self._distributed:
+            self._ctl_group = dist.new_group(backend="gloo")
+            self._save_group = dist.new_group(backend="gloo") if self.async_save else None
+
+    def _check_step_format(self) -> None:
+        try:
+            name = self.step_format.format(step=1234)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise errors.ConfigError(
+                f"step_format {self.step_format!r} is not a format string with {{step}} "
+                f"({type(exc).__name__}); use e.g. 'step-{{step:08d}}'"
+            ) from None
+        if "/" in name or catalog._step_of(name, self.step_pattern) != 1234:
+            raise errors.ConfigError(
+                f"step_format {self.step_format!r} makes names like {name!r} that the step "
+                f"pattern {self.step_pattern.pattern!r} does not parse back to 1234: pass a "
+                "matching step_pattern (and no '/' in the name)"
+            )
+
+    # ---- policy --------------------------------------------------------------------------
+    def url_for(self, step: int) -> str:
+        """The URL checkpoint ``step`` is saved to."""
+        return f"{self.root}/{self.step_format.format(step=step)}"
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last save started (or loaded by :meth:`load_latest`)."""
+        return self._last_step
+
+    def should_save(self, step: int) -> bool:
+        """Whether the policy asks for a checkpoint at ``step``.
+
+        False for the step saved last. Collective when ``every_seconds`` is set in a
+        distributed run: every rank must call it at the same steps.
+        """
+        if step == self._last_step:
+            return False
+        if self.every_steps is None and self.every_seconds is None:
+            return True
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True  # the same answer on every rank: no collective needed
+        if self.every_seconds is None:
+            return False
+        due = time.monotonic() - self._last_save_t >= self.every_seconds
+        if self._distributed:
+            box = [due]
+            dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
+            due = bool(box[0])
+        return due
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
+        """Save ``state_dict`` as checkpoint ``step`` if the policy says so (or ``force``).
+
+        Sync: returns once the checkpoint is committed. Async: waits for the previous save,
+        stages ``state_dict`` and returns while it uploads.
+
+        Returns:
+            True if a save was started.
+
+        Raises:
+            CheckpointException: this save failed (sync), or the previous background save did
+                (async; this save is then not started).
+        """
+        self._check_open()
+        if not force and not self.should_save(step):
+            return False
+        self._finish_pending()
+        url = self.url_for(step)
+        if self._writer is None:
+            self._writer = VolumeWriter(url, storage_options=self.storage_options,
+                                        **self.writer_options)
+        self._last_step = step
+        self._last_save_t = time.monotonic()
+        if not self.async_save:
+            dcp.save(state_dict, checkpoint_id=url, storage_writer=self._writer,
+                     process_group=self._ctl_group)
+            self._after_commit(step, url)
+            return True
+        response = dcp.async_save(state_dict, checkpoint_id=url, storage_writer=self._writer,
+                                  process_group=self._save_group,
+                                  async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        upload = getattr(response, "upload_completion", response)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._pending = _Pending(step, url, done)
+
+        def _settle(fut: concurrent.futures.Future[Any]) -> None:
+            exc = fut.exception()
+            if exc is not None:
+                done.set_exception(exc)
+                return
+            self._after_commit(step, url)
+            done.set_result(None)
+
+        upload.add_done_callback(_settle)
+        return True
+
+    def _after_commit(self, step: int, url: str) -> None:
+        logger.info("checkpoint of step %d committed at %s", step, redact_url(url))
+        if self._rank != 0 or (self.keep_last is None and self.keep_every is None):
+            return
+        try:
+            removed = catalog.apply_retention(
+                self.root, keep_last=self.keep_last, keep_every=self.keep_every,
+                storage_options=self.storage_options, step_pattern=self.step_pattern,
+            )
+        except Exception as exc:  # noqa: BLE001 -- the checkpoint is committed; say, don't fail
+            logger.warning("retention after step %d failed (%s: %s); old checkpoints stay until "
+                           "the next save", step, type(exc).__name__, exc)
+            return
+        if removed:
+            logger.info("retention removed %d checkpoints: %s", len(removed),
+                        ", ".join(redact_url(u) for u in removed))
+
+    def _finish_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.done.result()
+        except BaseException as exc:  # CheckpointException is a BaseException
+            exc.add_note(f"dcp_volumes: the background save of step {pending.step} to "
+                         f"{redact_url(pending.url)} failed")
+            raise
+
+    def wait(self) -> None:
+        """Wait for the background save in flight (if any); raise if it failed."""
+        self._finish_pending()
+
+    # ---- resume --------------------------------------------------------------------------
+    def load_latest(self, state_dict: dict[str, Any]) -> int | None:
+        """Load the newest complete checkpoint into ``state_dict`` (in place).
+
+        Lists the root once, on rank 0, and broadcasts the answer. Returns its step, or
+        ``None`` when there is no complete checkpoint (``state_dict`` is left as it is).
+        """
+        self._check_open()
+        self._finish_pending()
+        info = catalog.latest(self.root, storage_options=self.storage_options,
+                              step_pattern=self.step_pattern, process_group=self._ctl_group)
+        if info is None:
+            return None
+        dcp.load(state_dict, storage_reader=VolumeReader(info.url,
+                                                          storage_options=self.storage_options),
+                 process_group=self._ctl_group)
+        self._last_step = info.step
+        self._last_save_t = time.monotonic()
+        logger.info("resumed from %s (step %s)", redact_url(info.url), info.step)
+        return info.step
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.DCPVolumesError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising if it failed) and free the staging buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_pending()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as close_exc:  # noqa: BLE001 -- don't mask the body's error
+            logger.error("while unwinding: the last checkpoint save failed too (%s)",
+                         type(close_exc).__name__)
+
+    def __repr__(self) -> str:
+        return (f"Checkpointer({redact_url(self.root)!r}, every_steps={self.every_steps}, "
+                f"every_seconds={self.every_seconds}, keep_last={self.keep_last}, "
+                f"keep_every={self.keep_every}, async_save={self.async_save})")

@@ -1,0 +1,17 @@
+"""moto (S3 in Python) against the conformance suite. moto checks no credentials."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_volumes.testing.suite import CheckpointStoreTests, Store
+
+pytestmark = pytest.mark.xdist_group("moto")
+
+
+class TestMoto(CheckpointStoreTests):
+    multipart_listing = True
+
+    @pytest.fixture
+    def store(self, moto) -> Store:
+        return moto.store(secrets=(moto.server.storage_options()["secret"],))
