@@ -24,14 +24,14 @@ if TYPE_CHECKING:
     from dcp_volumes.writer import VolumeWriter
 
 __all__ = [
-    "VolumeWriter",
-    "VolumeReader",
     "Checkpointer",
-    "SpoolOptions",
-    "TransferOptions",
+    "LoadStats",
     "RetryOptions",
     "SaveStats",
-    "LoadStats",
+    "SpoolOptions",
+    "TransferOptions",
+    "VolumeReader",
+    "VolumeWriter",
     "__version__",
 ]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as _dt
+import functools
 import json
 import logging
 import os
@@ -43,20 +44,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_STEP_PATTERN",
-    "CheckpointInfo",
-    "list_checkpoints",
-    "latest",
-    "apply_retention",
-    "remove",
-    "FileReport",
-    "VerifyReport",
-    "verify",
-    "EntryInfo",
     "CheckpointDetails",
-    "describe",
+    "CheckpointInfo",
+    "EntryInfo",
+    "FileReport",
     "GcReport",
+    "VerifyReport",
+    "apply_retention",
+    "describe",
     "gc",
+    "latest",
+    "list_checkpoints",
     "listings_made",
+    "remove",
+    "verify",
 ]
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,9 @@ def _mtime(info: dict[str, Any]) -> float | None:
 
 
 def _save_id_time(save_id: str | None) -> float | None:
-    return float(int(save_id[:8], 16)) if _layout.is_save_id(save_id) else None
+    if save_id is None or not _layout.is_save_id(save_id):
+        return None
+    return float(int(save_id[:8], 16))  # the first 8 hex digits are epoch seconds
 
 
 def _is_artifact(name: str) -> bool:
@@ -233,7 +236,7 @@ async def _scan(backend: Backend) -> list[_Object]:
         path = str(path)
         if not path.startswith(prefix) or info.get("type", "file") != "file":
             continue
-        rel = path[len(prefix):]
+        rel = path[len(prefix) :]
         if rel and not rel.endswith("/"):
             out.append(_Object(rel, int(info.get("size") or 0), _mtime(info)))
     if not out and backend.kind in _CLOUD:
@@ -252,8 +255,9 @@ def _group(objects: Iterable[_Object]) -> dict[str, list[_Object]]:
     return groups
 
 
-def _describe_group(base_url: str, name: str, objects: list[_Object],
-                    pattern: re.Pattern[str]) -> CheckpointInfo:
+def _describe_group(
+    base_url: str, name: str, objects: list[_Object], pattern: re.Pattern[str]
+) -> CheckpointInfo:
     meta = next((o for o in objects if o.name == _layout.METADATA), None)
     ids = sorted({sid for o in objects if (sid := _layout.save_id_of(o.name)) is not None})
     newest_id_time = _save_id_time(ids[-1]) if ids else None
@@ -273,8 +277,9 @@ def _describe_group(base_url: str, name: str, objects: list[_Object],
     )
 
 
-def _catalog(backend: Backend, groups: dict[str, list[_Object]],
-             pattern: re.Pattern[str]) -> list[CheckpointInfo]:
+def _catalog(
+    backend: Backend, groups: dict[str, list[_Object]], pattern: re.Pattern[str]
+) -> list[CheckpointInfo]:
     infos = [
         _describe_group(backend.url, name, objs, pattern)
         for name, objs in groups.items()
@@ -368,8 +373,14 @@ def latest(
     box: list[Any] = [None]
     if dist.get_rank(process_group) == 0:
         try:
-            box[0] = (True, _newest_complete(list_checkpoints(
-                root, storage_options=storage_options, step_pattern=step_pattern)))
+            box[0] = (
+                True,
+                _newest_complete(
+                    list_checkpoints(
+                        root, storage_options=storage_options, step_pattern=step_pattern
+                    )
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 -- every rank must raise it, not hang
             box[0] = (False, exc)
     dist.broadcast_object_list(box, group_src=0, group=process_group)
@@ -385,6 +396,7 @@ def latest(
 
 async def _delete_checkpoint(backend: Backend, prefix: str, objects: list[_Object]) -> None:
     """``.metadata`` first -- the checkpoint is never visible but partial -- then the rest."""
+
     def rel(name: str) -> str:
         return f"{prefix}/{name}" if prefix else name
 
@@ -401,7 +413,7 @@ async def _prune_empty_dirs(backend: Backend, top: str) -> None:
     dirs = [d for d, _, _ in os.walk(top, topdown=False)]
     for d in dirs:
         try:
-            await backend.call(lambda d=d: backend.fs_call("rmdir", d), op="delete", url=d)
+            await backend.call(functools.partial(backend.fs_call, "rmdir", d), op="delete", url=d)
         except (errors.DCPVolumesError, OSError):
             pass  # not empty (someone wrote into it): leave it
 
@@ -442,8 +454,9 @@ def remove(
             "checkpoint; remove checkpoints one at a time"
         )
     if not any(_is_artifact(o.name) for o in objects):
-        raise errors.ConfigError(f"{where} holds no checkpoint files (.metadata, *.distcp): "
-                                 "refusing to remove it")
+        raise errors.ConfigError(
+            f"{where} holds no checkpoint files (.metadata, *.distcp): refusing to remove it"
+        )
     urls = _ordered_urls(backend.url, objects)
     if not dry_run:
         backend.run(lambda: _delete_checkpoint(backend, "", objects))
@@ -451,14 +464,16 @@ def remove(
     return urls
 
 
-def _retention_victims(infos: list[CheckpointInfo], keep_last: int | None,
-                       keep_every: int | None) -> list[CheckpointInfo]:
+def _retention_victims(
+    infos: list[CheckpointInfo], keep_last: int | None, keep_every: int | None
+) -> list[CheckpointInfo]:
     if keep_last is None and keep_every is None:
         return []
     # Only complete checkpoints with a step are candidates: an incomplete one may be being
     # written, and one without a step cannot be ordered.
-    ordered = sorted((i for i in infos if i.complete and i.step is not None),
-                     key=lambda i: (i.step, i.name))
+    ordered = sorted(
+        (i for i in infos if i.complete and i.step is not None), key=lambda i: (i.step, i.name)
+    )
     if not ordered:
         return []
     keep = {ordered[-1].url}  # the newest complete checkpoint, always
@@ -502,8 +517,9 @@ def apply_retention(
     victims = _retention_victims(_catalog(backend, groups, pattern), keep_last, keep_every)
     if not dry_run:
         for info in victims:
-            backend.run(lambda info=info: _delete_checkpoint(backend, info.name,
-                                                             groups[info.name]))
+            backend.run(
+                functools.partial(_delete_checkpoint, backend, info.name, groups[info.name])
+            )
             logger.info("retention removed %s (step %s)", redact_url(info.url), info.step)
     return [i.url for i in victims]
 
@@ -537,9 +553,10 @@ class _Loaded:
 
 
 def _load(backend: Backend) -> _Loaded:
+    data = backend.run(lambda: _read_metadata_bytes(backend))
+    # Only now import torch (unpickling needs it): "not found" answers stay fast.
     from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
 
-    data = backend.run(lambda: _read_metadata_bytes(backend))
     metadata = load_metadata(data, where=backend.object_url(_layout.METADATA))
     save_id = metadata_save_id(metadata)
     paths = {info.relative_path for info in metadata.storage_data.values()}
@@ -556,14 +573,20 @@ def _load(backend: Backend) -> _Loaded:
     except errors.IntegrityError as exc:
         return _Loaded(metadata, save_id, True, None, str(exc))
     if manifest.save_id != save_id:
-        return _Loaded(metadata, save_id, True, None,
-                       f"manifest {name} belongs to save {manifest.save_id}, not {save_id}")
+        return _Loaded(
+            metadata,
+            save_id,
+            True,
+            None,
+            f"manifest {name} belongs to save {manifest.save_id}, not {save_id}",
+        )
     try:
         torch_version = json.loads(raw).get("torch")
     except ValueError:
         torch_version = None
-    return _Loaded(metadata, save_id, True, manifest, None,
-                   str(torch_version) if torch_version else None)
+    return _Loaded(
+        metadata, save_id, True, manifest, None, str(torch_version) if torch_version else None
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,17 +658,28 @@ def _item_names(metadata: Metadata) -> dict[tuple[str, int], str]:
 
 
 async def _size_of(backend: Backend, name: str) -> int | None:
+    path = backend.path(name)
+    backend.fs.invalidate_cache(path)  # a listing cache would hide what is stored now
     try:
-        info = await backend.call(lambda: backend.fs_call("info", backend.path(name)),
-                                  op="read", url=backend.object_url(name))
+        info = await backend.call(
+            lambda: backend.fs_call("info", path),
+            op="read",
+            url=backend.object_url(name),
+        )
     except errors.ObjectNotFoundError:
         return None
     return int(info.get("size") or 0)
 
 
-async def _verify_file(backend: Backend, name: str, size: int, items: dict[int, tuple[int, int]],
-                       labels: dict[tuple[str, int], str], chunk_size: int,
-                       on_bytes: Callable[[int], None]) -> tuple[FileReport, int]:
+async def _verify_file(
+    backend: Backend,
+    name: str,
+    size: int,
+    items: dict[int, tuple[int, int]],
+    labels: dict[tuple[str, int], str],
+    chunk_size: int,
+    on_bytes: Callable[[int], None],
+) -> tuple[FileReport, int]:
     import crc32c
 
     actual = await _size_of(backend, name)
@@ -666,12 +700,16 @@ async def _verify_file(backend: Backend, name: str, size: int, items: dict[int, 
         for off, stop, _ in spans:
             lo, hi = max(off, pos), min(stop, end)
             if lo < hi:
-                running[off] = crc32c.crc32c(view[lo - pos:hi - pos], value=running[off])
+                running[off] = crc32c.crc32c(view[lo - pos : hi - pos], value=running[off])
         read += len(data)
         on_bytes(len(data))
         pos = end
-    bad = [f"item {labels.get((name, off), '?')} at byte {off}: crc32c {running[off]:08x}, "
-           f"expected {crc:08x}" for off, _, crc in spans if running[off] != crc]
+    bad = [
+        f"item {labels.get((name, off), '?')} at byte {off}: crc32c {running[off]:08x}, "
+        f"expected {crc:08x}"
+        for off, _, crc in spans
+        if running[off] != crc
+    ]
     return FileReport(name, "checksum mismatch" if bad else "ok", size, actual, bad), read
 
 
@@ -708,8 +746,9 @@ def verify(
     md = loaded.metadata
     needed: dict[str, int] = {}
     for info in md.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     where = redact_url(backend.url)
     manifest = loaded.manifest
     if manifest is None:
@@ -720,8 +759,10 @@ def verify(
             files.insert(0, FileReport(name, "missing", 0))
             note = f"{loaded.manifest_problem}: checksums cannot be verified"
         else:
-            note = ("no manifest: nothing to verify (not written by dcp_volumes); checked that "
-                    "the files named in .metadata exist and are large enough")
+            note = (
+                "no manifest: nothing to verify (not written by dcp_volumes); checked that "
+                "the files named in .metadata exist and are large enough"
+            )
         return VerifyReport(where, loaded.save_id, False, note, files)
 
     labels = _item_names(md)
@@ -743,8 +784,9 @@ def verify(
         async def one(name: str) -> tuple[FileReport, int]:
             entry = manifest.files[name]
             async with gate:
-                return await _verify_file(backend, name, entry.size, entry.items, labels,
-                                          chunk_size, on_bytes)
+                return await _verify_file(
+                    backend, name, entry.size, entry.items, labels, chunk_size, on_bytes
+                )
 
         return list(await asyncio.gather(*(one(n) for n in sorted(manifest.files))))
 
@@ -845,11 +887,11 @@ def describe(
         CheckpointNotFoundError: nothing is stored at ``url``.
         IncompleteCheckpointError: objects but no ``.metadata``.
     """
+    backend = _open(url, storage_options)
+    loaded = _load(backend)
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    backend = _open(url, storage_options)
-    loaded = _load(backend)
     md = loaded.metadata
     objects = backend.run(lambda: _scan(backend))
     stored: dict[str, list[int]] = {}
@@ -864,9 +906,17 @@ def describe(
             for s in item.size:
                 numel *= int(s)
             elem = torch.empty((), dtype=dtype).element_size()
-            entries.append(EntryInfo(key, "tensor", str(dtype).removeprefix("torch."),
-                                     [int(s) for s in item.size], numel * elem, sum(lengths),
-                                     len(item.chunks)))
+            entries.append(
+                EntryInfo(
+                    key,
+                    "tensor",
+                    str(dtype).removeprefix("torch."),
+                    [int(s) for s in item.size],
+                    numel * elem,
+                    sum(lengths),
+                    len(item.chunks),
+                )
+            )
         else:
             entries.append(EntryInfo(key, "bytes", None, None, None, sum(lengths), len(lengths)))
     entries.sort(key=lambda e: e.key)
@@ -946,21 +996,26 @@ def _age(o: _Object, now: float) -> float | None:
     return None if t is None else max(0.0, now - t)
 
 
-async def _stale_uploads(backend: Backend, older_than_s: float, now: float
-                         ) -> list[dict[str, Any]]:
+async def _stale_uploads(backend: Backend, older_than_s: float, now: float) -> list[dict[str, Any]]:
     bucket, _, key = backend.root.partition("/")
     prefix = key.rstrip("/") + "/"
     s3 = await backend.fs.set_session()
     out: list[dict[str, Any]] = []
     kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
     while True:
-        page = await backend.call(lambda kw=dict(kwargs): s3.list_multipart_uploads(**kw),
-                                  op="list", url=backend.url)
+        page = await backend.call(
+            functools.partial(s3.list_multipart_uploads, **kwargs), op="list", url=backend.url
+        )
         for up in page.get("Uploads", []) or []:
             initiated = _to_epoch(up.get("Initiated"))
             if initiated is None or max(0.0, now - initiated) >= older_than_s:
-                out.append({"key": f"{bucket}/{up['Key']}", "upload_id": up["UploadId"],
-                            "initiated": initiated})
+                out.append(
+                    {
+                        "key": f"{bucket}/{up['Key']}",
+                        "upload_id": up["UploadId"],
+                        "initiated": initiated,
+                    }
+                )
         if not page.get("IsTruncated"):
             return out
         kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
@@ -973,7 +1028,8 @@ async def _abort_upload(backend: Backend, upload: dict[str, Any]) -> None:
     try:
         await backend.call(
             lambda: s3.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["upload_id"]),
-            op="delete", url=f"{backend.scheme}://{upload['key']}",
+            op="delete",
+            url=f"{backend.scheme}://{upload['key']}",
         )
     except errors.ObjectNotFoundError:
         pass  # completed or aborted meanwhile
@@ -1026,11 +1082,13 @@ def gc(
             if any(a is None for a in ages):
                 report.skipped.append(f"{info.url}: incomplete, age unknown")
             elif min(a for a in ages if a is not None) < older_than_s:
-                report.skipped.append(f"{info.url}: incomplete, written to recently "
-                                      "(a save may be running)")
+                report.skipped.append(
+                    f"{info.url}: incomplete, written to recently (a save may be running)"
+                )
             elif not all(_is_artifact(o.name) for o in objs):
-                report.skipped.append(f"{info.url}: incomplete, but holds files that are not "
-                                      "checkpoint files")
+                report.skipped.append(
+                    f"{info.url}: incomplete, but holds files that are not checkpoint files"
+                )
             else:
                 whole.append((info.name, objs))
                 report.incomplete.append(info.url)
@@ -1064,17 +1122,22 @@ def gc(
             progress(done, total)
 
     for name, objs in whole:
-        backend.run(lambda name=name, objs=objs: _delete_checkpoint(backend, name, objs))
+        backend.run(functools.partial(_delete_checkpoint, backend, name, objs))
         step(len(objs))
     if loose:
         backend.run(lambda: backend.remove(loose))
         step(len(loose))
     for up in report.uploads:
-        backend.run(lambda up=up: _abort_upload(backend, up))
+        backend.run(functools.partial(_abort_upload, backend, up))
         step(1)
-    logger.info("gc of %s: %d incomplete checkpoints, %d leftover objects, %d uploads, %d bytes",
-                report.root, len(report.incomplete), len(report.leftovers), len(report.uploads),
-                report.bytes)
+    logger.info(
+        "gc of %s: %d incomplete checkpoints, %d leftover objects, %d uploads, %d bytes",
+        report.root,
+        len(report.incomplete),
+        len(report.leftovers),
+        len(report.uploads),
+        report.bytes,
+    )
     return report
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from dcp_volumes import catalog, errors
 from dcp_volumes._fs import _parse_scheme, redact_url
@@ -34,6 +34,8 @@ from dcp_volumes.writer import VolumeWriter
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+    from typing_extensions import Self
 
 __all__ = ["Checkpointer"]
 
@@ -109,10 +111,12 @@ class Checkpointer:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
         self.storage_options = dict(storage_options or {})
-        if every_steps is not None and (isinstance(every_steps, bool)
-                                        or not isinstance(every_steps, int) or every_steps < 1):
-            raise errors.ConfigError(f"every_steps must be a whole number >= 1 or None, "
-                                     f"got {every_steps!r}")
+        if every_steps is not None and (
+            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
+        ):
+            raise errors.ConfigError(
+                f"every_steps must be a whole number >= 1 or None, got {every_steps!r}"
+            )
         if every_seconds is not None and not every_seconds > 0:
             raise errors.ConfigError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
         catalog._check_count("keep_last", keep_last)
@@ -125,8 +129,10 @@ class Checkpointer:
         self.writer_options = dict(writer_options or {})
         unknown = set(self.writer_options) - _WRITER_KEYS
         if unknown:
-            raise errors.ConfigError(f"writer_options has unknown keys {sorted(unknown)}: "
-                                     f"VolumeWriter takes {sorted(_WRITER_KEYS)}")
+            raise errors.ConfigError(
+                f"writer_options has unknown keys {sorted(unknown)}: "
+                f"VolumeWriter takes {sorted(_WRITER_KEYS)}"
+            )
         self.step_format = step_format
         self.step_pattern = catalog._compile(step_pattern)
         self._check_step_format()
@@ -213,19 +219,28 @@ class Checkpointer:
         self._finish_pending()
         url = self.url_for(step)
         if self._writer is None:
-            self._writer = VolumeWriter(url, storage_options=self.storage_options,
-                                        **self.writer_options)
+            self._writer = VolumeWriter(
+                url, storage_options=self.storage_options, **self.writer_options
+            )
         self._last_step = step
         self._last_save_t = time.monotonic()
         if not self.async_save:
-            dcp.save(state_dict, checkpoint_id=url, storage_writer=self._writer,
-                     process_group=self._ctl_group)
+            dcp.save(
+                state_dict,
+                checkpoint_id=url,
+                storage_writer=self._writer,
+                process_group=self._ctl_group,
+            )
             self._after_commit(step, url)
             return True
-        response = dcp.async_save(state_dict, checkpoint_id=url, storage_writer=self._writer,
-                                  process_group=self._save_group,
-                                  async_checkpointer_type=AsyncCheckpointerType.THREAD)
-        upload = getattr(response, "upload_completion", response)
+        response = dcp.async_save(
+            state_dict,
+            checkpoint_id=url,
+            storage_writer=self._writer,
+            process_group=self._save_group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._pending = _Pending(step, url, done)
 
@@ -246,16 +261,26 @@ class Checkpointer:
             return
         try:
             removed = catalog.apply_retention(
-                self.root, keep_last=self.keep_last, keep_every=self.keep_every,
-                storage_options=self.storage_options, step_pattern=self.step_pattern,
+                self.root,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                storage_options=self.storage_options,
+                step_pattern=self.step_pattern,
             )
         except Exception as exc:  # noqa: BLE001 -- the checkpoint is committed; say, don't fail
-            logger.warning("retention after step %d failed (%s: %s); old checkpoints stay until "
-                           "the next save", step, type(exc).__name__, exc)
+            logger.warning(
+                "retention after step %d failed (%s: %s); old checkpoints stay until the next save",
+                step,
+                type(exc).__name__,
+                exc,
+            )
             return
         if removed:
-            logger.info("retention removed %d checkpoints: %s", len(removed),
-                        ", ".join(redact_url(u) for u in removed))
+            logger.info(
+                "retention removed %d checkpoints: %s",
+                len(removed),
+                ", ".join(redact_url(u) for u in removed),
+            )
 
     def _finish_pending(self) -> None:
         with self._lock:
@@ -265,8 +290,11 @@ class Checkpointer:
         try:
             pending.done.result()
         except BaseException as exc:  # CheckpointException is a BaseException
-            exc.add_note(f"dcp_volumes: the background save of step {pending.step} to "
-                         f"{redact_url(pending.url)} failed")
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"dcp_volumes: the background save of step {pending.step} to "
+                    f"{redact_url(pending.url)} failed"
+                )
             raise
 
     def wait(self) -> None:
@@ -282,13 +310,19 @@ class Checkpointer:
         """
         self._check_open()
         self._finish_pending()
-        info = catalog.latest(self.root, storage_options=self.storage_options,
-                              step_pattern=self.step_pattern, process_group=self._ctl_group)
+        info = catalog.latest(
+            self.root,
+            storage_options=self.storage_options,
+            step_pattern=self.step_pattern,
+            process_group=self._ctl_group,
+        )
         if info is None:
             return None
-        dcp.load(state_dict, storage_reader=VolumeReader(info.url,
-                                                          storage_options=self.storage_options),
-                 process_group=self._ctl_group)
+        dcp.load(
+            state_dict,
+            storage_reader=VolumeReader(info.url, storage_options=self.storage_options),
+            process_group=self._ctl_group,
+        )
         self._last_step = info.step
         self._last_save_t = time.monotonic()
         logger.info("resumed from %s (step %s)", redact_url(info.url), info.step)
@@ -310,21 +344,29 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.close()
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is None:
             self.close()
             return
         try:
             self.close()
         except BaseException as close_exc:  # noqa: BLE001 -- don't mask the body's error
-            logger.error("while unwinding: the last checkpoint save failed too (%s)",
-                         type(close_exc).__name__)
+            logger.error(
+                "while unwinding: the last checkpoint save failed too (%s)",
+                type(close_exc).__name__,
+            )
 
     def __repr__(self) -> str:
-        return (f"Checkpointer({redact_url(self.root)!r}, every_steps={self.every_steps}, "
-                f"every_seconds={self.every_seconds}, keep_last={self.keep_last}, "
-                f"keep_every={self.keep_every}, async_save={self.async_save})")
+        return (
+            f"Checkpointer({redact_url(self.root)!r}, every_steps={self.every_steps}, "
+            f"every_seconds={self.every_seconds}, keep_last={self.keep_last}, "
+            f"keep_every={self.keep_every}, async_save={self.async_save})"
+        )

@@ -506,8 +506,10 @@ def _key_value(text: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     value: Any = raw
-    if raw in ("true", "false", "null") or re.fullmatch(r"-?\d+(\.\d+)?", raw) or (
-        raw[:1] in ("{", "[")
+    if (
+        raw in ("true", "false", "null")
+        or re.fullmatch(r"-?\d+(\.\d+)?", raw)
+        or (raw[:1] in ("{", "["))
     ):
         try:
             value = json.loads(raw)
@@ -535,8 +537,9 @@ def _storage_options_for(args: argparse.Namespace, url: str) -> dict[str, Any]:
         elif kind == "azure":
             opts["account_url"] = endpoint
         else:
-            raise ConfigError(f"--endpoint-url does not apply to {url!r}: it is for s3://, gs:// "
-                              "and az:// URLs")
+            raise ConfigError(
+                f"--endpoint-url does not apply to {url!r}: it is for s3://, gs:// and az:// URLs"
+            )
     if args.anon:
         if kind == "gcs":
             opts["token"] = "anon"
@@ -588,7 +591,7 @@ def _run_ls(args: argparse.Namespace) -> int:
         step_pattern=args.step_pattern,
     )
     if args.json:
-        _print_json({"root": _redact(args.root), "checkpoints": [i.as_dict() for i in infos]})
+        _print_json({"root": _redact(args.root), "checkpoints": [_info_doc(i) for i in infos]})
         return EXIT_OK
     if not infos:
         print(f"no checkpoints under {_redact(args.root)}", file=sys.stderr)
@@ -612,8 +615,8 @@ def _run_ls(args: argparse.Namespace) -> int:
         styles=[None if i.complete else "yellow" for i in infos],
     )
     print(
-        f"{len(infos)} checkpoints ({complete} complete, {len(infos) - complete} incomplete), "
-        f"{_human_bytes(sum(i.bytes for i in infos))}"
+        f"{_n(len(infos), 'checkpoint')} ({complete} complete, {len(infos) - complete} "
+        f"incomplete), {_human_bytes(sum(i.bytes for i in infos))}"
     )
     return EXIT_OK
 
@@ -654,10 +657,14 @@ def _run_latest(args: argparse.Namespace) -> int:
         print(f"{PROG}: no complete checkpoint under {_redact(args.root)}", file=sys.stderr)
         return EXIT_NOT_FOUND
     if args.json:
-        _print_json(info.as_dict())
+        _print_json(_info_doc(info))
     else:
-        print(info.url)
+        print(_redact(info.url))
     return EXIT_OK
+
+
+def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    return {**info.as_dict(), "url": _redact(info.url)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -891,16 +898,19 @@ def _print_gc(r: GcReport) -> None:
     for url in r.leftovers:
         print(f"  {verb} leftover {url}")
     for up in r.uploads:
-        print(f"  {'would abort' if r.dry_run else 'aborted'} multipart upload {up['key']} "
-              f"(started {_when(up['initiated'])} UTC)")
+        print(
+            f"  {'would abort' if r.dry_run else 'aborted'} multipart upload {up['key']} "
+            f"(started {_when(up['initiated'])} UTC)"
+        )
     for line in r.skipped:
         print(f"  kept {line}")
     if r.empty:
         print("nothing to collect")
         return
     print(
-        f"{verb}: {len(r.incomplete)} incomplete checkpoints, {len(r.leftovers)} leftover "
-        f"objects ({_human_bytes(r.bytes)}), {len(r.uploads)} multipart uploads"
+        f"{verb}: {_n(len(r.incomplete), 'incomplete checkpoint')}, "
+        f"{_n(len(r.leftovers), 'leftover object')} ({_human_bytes(r.bytes)}), "
+        f"{_n(len(r.uploads), 'multipart upload')}"
     )
     if r.dry_run:
         print("dry run: nothing was deleted; run again with --yes to delete")
@@ -992,6 +1002,10 @@ def _redact(url: str) -> str:
     return redact_url(url)
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -1053,6 +1067,7 @@ def _progress(
         yield None
         return
     try:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -1060,15 +1075,15 @@ def _progress(
             Progress,
             TimeRemainingColumn,
         )
-        from rich.console import Console
     except ImportError:
         try:
             from tqdm import tqdm
         except ImportError:
             yield None
             return
-        bar = tqdm(desc=what, unit="B" if unit == "bytes" else " objects", unit_scale=True,
-                   file=sys.stderr)
+        bar = tqdm(
+            desc=what, unit="B" if unit == "bytes" else " objects", unit_scale=True, file=sys.stderr
+        )
 
         def tick_tqdm(done: int, total: int) -> None:
             bar.total = total

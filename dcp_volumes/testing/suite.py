@@ -308,15 +308,18 @@ class CheckpointStoreTests:
         from dcp_volumes.testing.faultproxy import FaultRule
 
         with self._proxy(store) as (opts, proxy):
+            writes = _write_matcher(store)
             rules = [
-                proxy.add_rule(FaultRule(action="status", status=503, method="PUT", times=3,
-                                         body=_busy_body(store), name="503 burst")),
-                proxy.add_rule(FaultRule(action="reset", method="PUT", skip=1, times=2,
-                                         name="resets")),
-                proxy.add_rule(FaultRule(action="status", status=500, path_regex=r"\.metadata",
-                                         times=1, body=_busy_body(store, 500), name="commit 500")),
+                proxy.add_rule(FaultRule(action="status", status=503, times=3,
+                                         body=_busy_body(store), name="503 burst", **writes)),
+                proxy.add_rule(FaultRule(action="reset", skip=1, times=2, name="resets",
+                                         **writes)),
+                proxy.add_rule(FaultRule(action="status", status=500, times=1,
+                                         body=_busy_body(store, 500), name="commit 500",
+                                         **_write_matcher(store, "metadata"))),
                 proxy.add_rule(FaultRule(action="status", status=503, method="GET", times=2,
-                                         body=_busy_body(store), name="read 503")),
+                                         path_regex="distcp", body=_busy_body(store),
+                                         name="read 503")),
             ]
             state = mixed_state(many=20)
             url = store.url()
@@ -338,8 +341,9 @@ class CheckpointStoreTests:
 
         with self._proxy(store) as (opts, proxy):
             # Let the first upload request through so there is something to clean up.
-            proxy.add_rule(FaultRule(action="status", status=503, method="PUT", skip=1,
-                                     times=None, body=_busy_body(store), name="dead store"))
+            proxy.add_rule(FaultRule(action="status", status=503, skip=1, times=None,
+                                     body=_busy_body(store), name="dead store",
+                                     **_write_matcher(store)))
             url = store.url()
             start = time.monotonic()
             with pytest.raises(CheckpointException) as info:
@@ -560,6 +564,13 @@ class CheckpointStoreTests:
 class _Evil:
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.system, ("echo pwned",))
+
+
+def _write_matcher(store: Store, name_regex: str = "") -> dict[str, Any]:
+    """FaultRule fields matching object writes: PUTs on S3 and Azure, uploads on GCS."""
+    if store.root.startswith(("gs", "gcs")):
+        return {"path_regex": "/upload/" + (f".*{name_regex}" if name_regex else "")}
+    return {"method": "PUT", **({"path_regex": name_regex} if name_regex else {})}
 
 
 def _busy_body(store: Store, status: int = 503) -> bytes:
