@@ -27,7 +27,7 @@ import fsspec.asyn
 from dcp_volumes import errors
 from dcp_volumes.config import RetryOptions
 
-__all__ = ["Backend", "open_backend", "translate_error", "is_transient", "redact_url"]
+__all__ = ["Backend", "is_transient", "open_backend", "redact_url", "translate_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ class Backend:
                 return result
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 — classified right below
+            except Exception as exc:
                 elapsed = time.monotonic() - start
                 if (
                     not retry_if(exc)
@@ -372,12 +372,12 @@ class Backend:
         """Write a small object in one request (conditional create when ``exclusive``)."""
         path = self.path(relative)
         if self.kind == "azure":
-            fn: Callable[[], Awaitable[Any]] = lambda: self.azure_blob(relative).upload_blob(  # noqa: E731
+            fn: Callable[[], Awaitable[Any]] = lambda: self.azure_blob(relative).upload_blob(
                 data, overwrite=not exclusive, retry_total=0)
         elif exclusive:
-            fn = lambda: self.fs_call("pipe_file", path, data, mode="create")  # noqa: E731
+            fn = lambda: self.fs_call("pipe_file", path, data, mode="create")
         else:
-            fn = lambda: self.fs_call("pipe_file", path, data)  # noqa: E731
+            fn = lambda: self.fs_call("pipe_file", path, data)
         if self.kind == "local":
             os.makedirs(self.root, exist_ok=True)
         await self.call(fn, op="upload", url=self.object_url(relative), stats=stats)
@@ -449,7 +449,7 @@ class Backend:
             await self.fs_call("info", self.root)
         except (FileNotFoundError, errors.ObjectNotFoundError):
             pass
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             err = translate_error(exc, url=self.url, op="list")
             if not isinstance(err, errors.ObjectNotFoundError):
                 raise err from exc

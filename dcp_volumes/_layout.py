@@ -21,13 +21,13 @@ import time
 from dcp_volumes.errors import UnsafeCheckpointError
 
 __all__ = [
-    "METADATA",
     "MANIFEST_PREFIX",
-    "new_save_id",
-    "shard_name",
-    "manifest_name",
-    "save_id_of",
+    "METADATA",
     "check_relative_path",
+    "manifest_name",
+    "new_save_id",
+    "save_id_of",
+    "shard_name",
 ]
 
 METADATA = ".metadata"

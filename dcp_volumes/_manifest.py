@@ -30,7 +30,7 @@ from dcp_volumes import errors
 from dcp_volumes._fs import Backend, CallStats, redact_url
 from dcp_volumes._layout import METADATA, check_relative_path
 
-__all__ = ["Manifest", "FileEntry", "load_metadata", "commit_metadata"]
+__all__ = ["FileEntry", "Manifest", "commit_metadata", "load_metadata"]
 
 FORMAT_VERSION = 1
 _memory_commit_lock = threading.Lock()
@@ -148,7 +148,7 @@ def load_metadata(data: bytes, *, where: str) -> Metadata:
         metadata = _SafeUnpickler(io.BytesIO(data)).load()
     except errors.DCPVolumesError:
         raise
-    except Exception as exc:  # noqa: BLE001 — any unpickling failure means a bad file
+    except Exception as exc:
         raise errors.IntegrityError(f"{where} is not a readable torch DCP .metadata "
                                     f"({type(exc).__name__})") from exc
     if not isinstance(metadata, Metadata):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["SaveStats", "LoadStats"]
+__all__ = ["LoadStats", "SaveStats"]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dcp_volumes import errors
 from dcp_volumes._fs import Backend, CallStats
 from dcp_volumes._spool import Part, SpoolFile
 
-__all__ = ["Uploader", "FileUpload", "RangeRequest", "fetch_ranges"]
+__all__ = ["FileUpload", "RangeRequest", "Uploader", "fetch_ranges"]
 
 logger = logging.getLogger(__name__)
 

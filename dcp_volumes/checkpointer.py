@@ -215,6 +215,8 @@ class Checkpointer:
         """
         self._check_open()
         if not force and not self.should_save(step):
+            # A failed background save is raised at the next save that happens, not here: every
+            # rank reaches that point at the same step, so all raise together.
             return False
         self._finish_pending()
         url = self.url_for(step)

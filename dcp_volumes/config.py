@@ -15,7 +15,7 @@ from typing import Literal
 
 from dcp_volumes.errors import ConfigError
 
-__all__ = ["SpoolOptions", "TransferOptions", "RetryOptions", "MiB"]
+__all__ = ["MiB", "RetryOptions", "SpoolOptions", "TransferOptions"]
 
 MiB = 1 << 20
 

@@ -8,19 +8,19 @@ keeps working for code that does not know this package.
 from __future__ import annotations
 
 __all__ = [
-    "DCPVolumesError",
-    "ConfigError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ConfigError",
+    "DCPVolumesError",
+    "DownloadError",
     "IncompleteCheckpointError",
     "IntegrityError",
-    "UploadError",
-    "DownloadError",
+    "ObjectNotFoundError",
     "SpoolError",
     "StoragePermissionError",
     "UnsafeCheckpointError",
-    "BucketNotFoundError",
-    "ObjectNotFoundError",
+    "UploadError",
 ]
 
 

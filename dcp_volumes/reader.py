@@ -233,16 +233,16 @@ class VolumeReader(StorageReader):
                 "while loading"
             )
 
-        for req, data in fetch_ranges(backend, ranges,
+        for rng, data in fetch_ranges(backend, ranges,
                                       max_concurrency=self.transfer.max_concurrency,
                                       chunk_size=self.transfer.part_size,
                                       stats=stats, on_missing=_missing):
             fetched += len(data)
             view = memoryview(data)
-            for stored in req.items:
-                lo = stored.offset - req.start
+            for stored in rng.items:
+                lo = stored.offset - rng.start
                 chunk = view[lo:lo + stored.length]
-                self._check(req.relative, stored, chunk)
+                self._check(rng.relative, stored, chunk)
                 needed += stored.length
                 nitems += 1
                 for read in stored.reads:

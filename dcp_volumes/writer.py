@@ -7,12 +7,13 @@ and commit live in their own modules.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
 import threading
 import time
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -315,10 +316,10 @@ class VolumeWriter(StorageWriter, AsyncStager):
                     relative: str) -> WriteResult:
         data = planner.resolve_data(item)
         sf.begin_item()
-        if item.type == WriteItemType.BYTE_IO:
+        if isinstance(data, io.BytesIO):
             sf.write(data.getbuffer())
         else:
-            torch.save(_cpu_tensor(data), sf)
+            torch.save(_cpu_tensor(data), cast(IO[bytes], sf))
         offset, length, crc = sf.end_item()
         return _CheckedWriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=_StorageInfo(relative, offset, length),

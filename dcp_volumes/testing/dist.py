@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["free_port", "run_ranks"]
 
 
 def free_port() -> int:

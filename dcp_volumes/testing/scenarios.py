@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-__all__ = ["expected_full_state", "build_state", "save_on_ranks", "load_on_ranks"]
+__all__ = ["build_state", "expected_full_state", "load_on_ranks", "save_on_ranks"]
 
 
 def expected_full_state() -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["mixed_state", "zeros_like_state", "assert_state_equal"]
+__all__ = ["assert_state_equal", "mixed_state", "zeros_like_state"]
 
 MiB = 1 << 20
 

@@ -42,13 +42,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from dcp_volumes import RetryOptions, SpoolOptions, TransferOptions, VolumeReader, VolumeWriter
-from dcp_volumes import errors
+from dcp_volumes import (
+    RetryOptions,
+    SpoolOptions,
+    TransferOptions,
+    VolumeReader,
+    VolumeWriter,
+    errors,
+)
 from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.testing.scenarios import async_save_on_ranks, load_on_ranks, save_on_ranks
 from dcp_volumes.testing.states import assert_state_equal, mixed_state, zeros_like_state
 
-__all__ = ["CheckpointStoreTests", "Store", "failures_of", "SlowPlanner"]
+__all__ = ["CheckpointStoreTests", "SlowPlanner", "Store", "failures_of"]
 
 MiB = 1 << 20
 SMALL_PARTS = TransferOptions(part_size=5 * MiB, max_concurrency=4)
