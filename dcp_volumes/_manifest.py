@@ -30,16 +30,48 @@ from dcp_volumes import errors
 from dcp_volumes._fs import Backend, CallStats, redact_url
 from dcp_volumes._layout import METADATA, check_relative_path
 
-__all__ = ["FileEntry", "Manifest", "commit_metadata", "load_metadata"]
+__all__ = ["FileEntry", "ItemEntry", "Manifest", "commit_metadata", "load_metadata"]
 
 FORMAT_VERSION = 1
 _memory_commit_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class ItemEntry:
+    """One stored item. ``data_offset`` etc. are set for large contiguous tensors: their raw
+    bytes start ``data_offset`` bytes into the item, with a CRC32C per ``block_size`` block."""
+
+    length: int
+    crc: int
+    data_offset: int | None = None
+    block_size: int = 0
+    block_crcs: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+
+    def to_json(self, offset: int) -> list[Any]:
+        out: list[Any] = [offset, self.length, self.crc]
+        if self.data_offset is not None:
+            out.append({"data": self.data_offset, "block": self.block_size,
+                        "crcs": list(self.block_crcs), "shape": list(self.shape),
+                        "dtype": self.dtype})
+        return out
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> tuple[int, ItemEntry]:
+        offset, length, crc = int(row[0]), int(row[1]), int(row[2])
+        if len(row) > 3 and isinstance(row[3], dict):
+            d = row[3]
+            return offset, cls(length, crc, int(d["data"]), int(d["block"]),
+                               tuple(int(c) for c in d["crcs"]),
+                               tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+        return offset, cls(length, crc)
+
+
 @dataclass
 class FileEntry:
     size: int = 0
-    items: dict[int, tuple[int, int]] = field(default_factory=dict)  # offset → (length, crc)
+    items: dict[int, ItemEntry] = field(default_factory=dict)  # offset → entry
 
 
 @dataclass
@@ -61,7 +93,7 @@ class Manifest:
                 "created": self.created,
                 "files": {
                     name: {"size": e.size,
-                           "items": [[off, ln, crc] for off, (ln, crc) in sorted(e.items.items())]}
+                           "items": [it.to_json(off) for off, it in sorted(e.items.items())]}
                     for name, e in sorted(self.files.items())
                 },
             },
@@ -80,7 +112,7 @@ class Manifest:
             files: dict[str, FileEntry] = {}
             for name, entry in doc["files"].items():
                 check_relative_path(name)
-                items = {int(o): (int(ln), int(c)) for o, ln, c in entry["items"]}
+                items = dict(ItemEntry.from_json(row) for row in entry["items"])
                 files[name] = FileEntry(size=int(entry["size"]), items=items)
             return cls(save_id=str(doc["save_id"]), writer=str(doc.get("writer", "?")),
                        world_size=int(doc.get("world_size", 0)),

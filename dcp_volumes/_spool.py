@@ -26,9 +26,18 @@ import crc32c
 
 from dcp_volumes.errors import SpoolError
 
-__all__ = ["Part", "SpoolFile", "check_free_space"]
+__all__ = ["DataLayout", "Part", "SpoolFile", "check_free_space"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Where a tensor's raw bytes sit inside its serialized item, with per-block CRC32Cs."""
+
+    data_offset: int
+    block_size: int
+    block_crcs: list[int]
 
 
 @dataclass
@@ -92,8 +101,7 @@ class SpoolFile:
         self._pos = 0
         self._emitted = 0  # bytes handed out as parts
         self._next_part = 1
-        self._item_start = 0
-        self._item_crc = 0
+        self.begin_item()
         self._closed = False
         self.path: str | None = None
         self._fd = -1
@@ -130,6 +138,10 @@ class SpoolFile:
         if n == 0:
             return 0
         self._item_crc = crc32c.crc32c(mv, value=self._item_crc)
+        if self._data_bytes and n == self._data_bytes and self._data_off is None:
+            self._data_off = self._pos - self._item_start
+            bs = self._block_size
+            self._block_crcs = [crc32c.crc32c(mv[i:i + bs]) for i in range(0, n, bs)]
         if self.mode == "disk":
             self._write_disk(mv)
         else:
@@ -138,13 +150,23 @@ class SpoolFile:
         return n
 
     # ---- items ---------------------------------------------------------------------------
-    def begin_item(self) -> None:
+    def begin_item(self, *, data_bytes: int = 0, block_size: int = 0) -> None:
+        """Start an item. With ``data_bytes``, the one write of exactly that many bytes
+        (torch.save writes a tensor's storage in one call) is located and checksummed per
+        ``block_size`` block, so a reader can later fetch and verify only part of it."""
         self._item_start = self._pos
         self._item_crc = 0
+        self._data_bytes = data_bytes
+        self._block_size = block_size
+        self._data_off: int | None = None
+        self._block_crcs: list[int] = []
 
-    def end_item(self) -> tuple[int, int, int]:
-        """(offset, length, crc32c) of the item written since :meth:`begin_item`."""
-        return self._item_start, self._pos - self._item_start, self._item_crc
+    def end_item(self) -> tuple[int, int, int, DataLayout | None]:
+        """(offset, length, crc32c, data layout or None) of the item since :meth:`begin_item`."""
+        layout = None
+        if self._data_off is not None:
+            layout = DataLayout(self._data_off, self._block_size, self._block_crcs)
+        return self._item_start, self._pos - self._item_start, self._item_crc, layout
 
     # ---- parts ---------------------------------------------------------------------------
     def _write_disk(self, mv: memoryview) -> None:

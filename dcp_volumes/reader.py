@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-import crc32c
-import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
 from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
+from dcp_volumes._readplan import apply_need, check_need, describe, plan_needs, plan_ranges
 from dcp_volumes._stats import LoadStats
 from dcp_volumes._transfer import RangeRequest, fetch_ranges
 from dcp_volumes.config import RetryOptions, TransferOptions
@@ -27,38 +23,6 @@ from dcp_volumes.config import RetryOptions, TransferOptions
 __all__ = ["VolumeReader"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stored:
-    """One stored item (offset, length in a file) and the read items that need it."""
-
-    offset: int
-    length: int
-    reads: list[ReadItem] = field(default_factory=list)
-
-
-def plan_ranges(
-    per_file: dict[str, dict[int, _Stored]], *, gap: int, max_size: int
-) -> list[RangeRequest]:
-    """Sort each file's items by offset and coalesce neighbours into ranged GETs."""
-    ranges: list[RangeRequest] = []
-    for relative, items in sorted(per_file.items()):
-        current: RangeRequest | None = None
-        for stored in sorted(items.values(), key=lambda s: s.offset):
-            end = stored.offset + stored.length
-            if (
-                current is not None
-                and stored.offset - current.end <= gap
-                and end - current.start <= max_size
-                and stored.offset >= current.end
-            ):
-                current.end = end
-                current.items.append(stored)
-            else:
-                current = RangeRequest(relative, stored.offset, end, [stored])
-                ranges.append(current)
-    return ranges
 
 
 class VolumeReader(StorageReader):
@@ -213,23 +177,18 @@ class VolumeReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         backend = self._backend()
-        per_file: dict[str, dict[int, _Stored]] = {}
-        for req in plan.items:
-            info = self._storage_data[req.storage_index]
-            relative = _layout.check_relative_path(info.relative_path)
-            stored = per_file.setdefault(relative, {}).setdefault(
-                info.offset, _Stored(info.offset, info.length))
-            stored.reads.append(req)
-        ranges = plan_ranges(per_file, gap=self.transfer.coalesce_gap,
+        url = redact_url(self._url)
+        needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
+        ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
                              max_size=self.transfer.max_range_size)
         stats = CallStats()
         start = time.monotonic()
-        fetched = needed = nitems = 0
+        fetched = 0
 
-        def _missing(req: RangeRequest, exc: BaseException) -> BaseException:
+        def _missing(rng: RangeRequest, exc: BaseException) -> BaseException:
             return errors.IntegrityError(
-                f"shard {req.relative} of {redact_url(self._url)} is missing (needed for "
-                f"{_describe(req.items[0].reads[0])}): the checkpoint is damaged or was replaced "
+                f"shard {rng.relative} of {url} is missing (needed for "
+                f"{describe(rng.items[0].reads[0])}): the checkpoint is damaged or was replaced "
                 "while loading"
             )
 
@@ -239,55 +198,23 @@ class VolumeReader(StorageReader):
                                       stats=stats, on_missing=_missing):
             fetched += len(data)
             view = memoryview(data)
-            for stored in rng.items:
-                lo = stored.offset - rng.start
-                chunk = view[lo:lo + stored.length]
-                self._check(rng.relative, stored, chunk)
-                needed += stored.length
-                nitems += 1
-                for read in stored.reads:
-                    _apply(read, chunk, planner)
+            for need in rng.items:
+                chunk = view[need.start - rng.start:need.end - rng.start]
+                check_need(need, chunk, url)
+                apply_need(need, chunk, planner)
         self.last_stats = LoadStats(
-            rank=self._rank, bytes_needed=needed, bytes_fetched=fetched, items=nitems,
-            ranges=len(ranges), fetch_s=time.monotonic() - start,
+            rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
+            items=len(needs), ranges=len(ranges), fetch_s=time.monotonic() - start,
             verified=self._manifest is not None, retries=stats.retries,
         )
         s = self.last_stats
         logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s: %.2fs, %.1f MiB/s, "
                     "%d retries, checksums %s", s.rank, s.bytes_fetched, s.bytes_needed, s.ranges,
-                    redact_url(self._url), s.fetch_s, s.mib_per_s, s.retries,
+                    url, s.fetch_s, s.mib_per_s, s.retries,
                     "verified" if s.verified else "not available")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _check(self, relative: str, stored: _Stored, chunk: memoryview) -> None:
-        what = _describe(stored.reads[0])
-        if len(chunk) != stored.length:
-            raise errors.IntegrityError(
-                f"shard {relative} of {redact_url(self._url)} is truncated: {what} needs bytes "
-                f"{stored.offset}..{stored.offset + stored.length}, got {len(chunk)}"
-            )
-        if self._manifest is None:
-            return
-        entry = self._manifest.files.get(relative)
-        expected = entry.items.get(stored.offset) if entry is not None else None
-        if expected is None:
-            raise errors.IntegrityError(
-                f"{what} in shard {relative} is not in the manifest of {redact_url(self._url)}"
-            )
-        length, crc = expected
-        if length != stored.length:
-            raise errors.IntegrityError(
-                f"{what} in shard {relative}: .metadata says {stored.length} bytes, manifest "
-                f"says {length}"
-            )
-        actual = crc32c.crc32c(chunk)
-        if actual != crc:
-            raise errors.IntegrityError(
-                f"checksum mismatch for {what} in shard {relative} of {redact_url(self._url)} "
-                f"(crc32c {actual:08x}, expected {crc:08x}): the stored bytes are corrupt"
-            )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -296,28 +223,5 @@ class VolumeReader(StorageReader):
         except errors.DCPVolumesError:
             return False
         return True
-
-
-def _describe(read: ReadItem) -> str:
-    index = read.storage_index
-    return f"item {index.fqn!r}" + (f" at offset {tuple(index.offset)}" if index.offset else "")
-
-
-def _apply(read: ReadItem, chunk: memoryview, planner: LoadPlanner) -> None:
-    """Deserialize one stored item exactly as torch's FileSystemReader does."""
-    if read.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(read, io.BytesIO(chunk))
-        return
-    tensor = cast(torch.Tensor, torch.load(io.BytesIO(chunk), map_location="cpu",
-                                           weights_only=True))
-    tensor = narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths)
-    target = planner.resolve_tensor(read).detach()
-    if target.size() != tensor.size():
-        raise errors.IntegrityError(
-            f"{_describe(read)}: stored shape {tuple(tensor.size())} does not match the target "
-            f"{tuple(target.size())}"
-        )
-    target.copy_(tensor)
-    planner.commit_tensor(read, target)
 
 

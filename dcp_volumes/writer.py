@@ -27,6 +27,7 @@ from dcp_volumes import _layout, errors
 from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
 from dcp_volumes._manifest import (
     FileEntry,
+    ItemEntry,
     Manifest,
     commit_metadata,
     load_metadata,
@@ -44,6 +45,10 @@ __all__ = ["VolumeWriter"]
 
 logger = logging.getLogger(__name__)
 
+# Large contiguous tensors get a CRC32C per block of their raw bytes, so a resharding load
+# can fetch and verify only the blocks its new shards need.
+_DATA_BLOCK = 1 << 20
+
 
 @dataclasses.dataclass(frozen=True)
 class _SavePrefix:
@@ -58,6 +63,7 @@ class _CheckedWriteResult(WriteResult):
     """A WriteResult that also carries the item's CRC32C to the coordinator."""
 
     crc32c: int = 0
+    layout: ItemEntry | None = None
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -315,15 +321,24 @@ class VolumeWriter(StorageWriter, AsyncStager):
     def _write_item(sf: SpoolFile, item: WriteItem, planner: SavePlanner,
                     relative: str) -> WriteResult:
         data = planner.resolve_data(item)
-        sf.begin_item()
+        tensor = None
         if isinstance(data, io.BytesIO):
+            sf.begin_item()
             sf.write(data.getbuffer())
         else:
-            torch.save(_cpu_tensor(data), cast(IO[bytes], sf))
-        offset, length, crc = sf.end_item()
+            tensor = _cpu_tensor(data)
+            partial = tensor.is_contiguous() and tensor.nbytes >= 2 * _DATA_BLOCK
+            sf.begin_item(data_bytes=tensor.nbytes if partial else 0, block_size=_DATA_BLOCK)
+            torch.save(tensor, cast(IO[bytes], sf))
+        offset, length, crc, layout = sf.end_item()
+        entry = None
+        if layout is not None and tensor is not None:
+            entry = ItemEntry(length, crc, layout.data_offset, layout.block_size,
+                              tuple(layout.block_crcs), tuple(tensor.shape),
+                              str(tensor.dtype).removeprefix("torch."))
         return _CheckedWriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=_StorageInfo(relative, offset, length),
-                                   crc32c=crc)
+                                   crc32c=crc, layout=entry)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._save_id is None:
@@ -339,7 +354,8 @@ class VolumeWriter(StorageWriter, AsyncStager):
                 info = wr.storage_data
                 storage_md[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
                 entry = manifest.files.setdefault(info.relative_path, FileEntry())
-                entry.items[info.offset] = (info.length, getattr(wr, "crc32c", 0))
+                entry.items[info.offset] = getattr(wr, "layout", None) or ItemEntry(
+                    info.length, getattr(wr, "crc32c", 0))
                 entry.size = max(entry.size, info.offset + info.length)
         metadata.storage_data = storage_md
         set_save_id(metadata, save_id, self._url)

@@ -28,6 +28,8 @@ def expected_full_state() -> dict[str, Any]:
         "sharded": {
             "w": torch.randn(12, 7, generator=g),
             "emb": torch.randn(30, 4, generator=g).to(torch.bfloat16),
+            # 8 MiB: its shards are large enough to be fetched partially on reshard
+            "big": torch.randn(1024, 2048, generator=g),
         },
         "replicated": {f"r{i}": torch.randn(64 + i, generator=g) for i in range(6)},
         "step": 1000,

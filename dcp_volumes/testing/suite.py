@@ -205,7 +205,8 @@ class CheckpointStoreTests:
         for ws in load_ws:
             loaded = run_ranks(ws, load_on_ranks, url, {"storage_options": store.storage_options})
             assert all(s["verified"] for s in loaded)
-            assert all(s["bytes_fetched"] <= 1.1 * s["bytes_needed"] + 64 * 1024 for s in loaded)
+            # a rank fetches what its new shards need, rounded to 1 MiB checksum blocks
+            assert all(s["bytes_fetched"] <= 1.1 * s["bytes_needed"] + 2 * MiB for s in loaded)
 
     # ---- 3. async_save ------------------------------------------------------------------
     @pytest.mark.parametrize("checkpointer", ["thread", "process"], ids=["thread", "process"])
