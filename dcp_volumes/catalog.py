@@ -28,7 +28,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -671,11 +671,18 @@ async def _size_of(backend: Backend, name: str) -> int | None:
     return int(info.get("size") or 0)
 
 
+def _length_and_crc(entry: Any) -> tuple[int, int]:
+    """An item's (length, whole-item CRC32C) from a manifest entry (object or legacy pair)."""
+    if isinstance(entry, tuple):
+        return int(entry[0]), int(entry[1])
+    return int(entry.length), int(entry.crc)
+
+
 async def _verify_file(
     backend: Backend,
     name: str,
     size: int,
-    items: dict[int, tuple[int, int]],
+    items: Mapping[int, Any],
     labels: dict[tuple[str, int], str],
     chunk_size: int,
     on_bytes: Callable[[int], None],
@@ -687,20 +694,27 @@ async def _verify_file(
         return FileReport(name, "missing", size), 0
     if actual != size:
         return FileReport(name, "size mismatch", size, actual), 0
-    spans = sorted((off, off + ln, crc) for off, (ln, crc) in items.items())
+    spans: list[tuple[int, int, int]] = []  # (start, end, crc), sorted, not overlapping
+    for off, entry in sorted(items.items()):
+        length, crc = _length_and_crc(entry)
+        spans.append((off, off + length, crc))
     running = {off: 0 for off, _, _ in spans}
-    pos = 0
-    read = 0
+    pos = read = first = 0
     while pos < size:  # stream the file once, in ranged reads
         end = min(size, pos + chunk_size)
         data = await backend.cat(name, op="read", start=pos, end=end)
         if len(data) != end - pos:
             return FileReport(name, "size mismatch", size, pos + len(data)), read + len(data)
         view = memoryview(data)
-        for off, stop, _ in spans:
+        while first < len(spans) and spans[first][1] <= pos:
+            first += 1  # items wholly before this chunk are done
+        j = first
+        while j < len(spans) and spans[j][0] < end:
+            off, stop, _ = spans[j]
             lo, hi = max(off, pos), min(stop, end)
             if lo < hi:
                 running[off] = crc32c.crc32c(view[lo - pos : hi - pos], value=running[off])
+            j += 1
         read += len(data)
         on_bytes(len(data))
         pos = end

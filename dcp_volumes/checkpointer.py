@@ -68,8 +68,9 @@ class Checkpointer:
     With ``async_save=True`` a save returns after staging (a memory copy) and uploads in a
     background thread (``dcp.async_save``, THREAD executor, on a process group of its own so it
     never interleaves with the training loop's collectives). The next :meth:`save` first waits
-    for the previous one; a failed background save is raised by the next :meth:`save`,
-    :meth:`wait`, :meth:`load_latest` or :meth:`close` -- never swallowed.
+    for the previous one; a failed background save is raised by the next :meth:`save` that
+    saves (a due step, or ``force``), :meth:`wait`, :meth:`load_latest` or :meth:`close` -- never
+    swallowed.
 
     Args:
         root: the run root, e.g. ``"s3://bucket/run-42"`` or a local directory.
@@ -248,11 +249,15 @@ class Checkpointer:
 
         def _settle(fut: concurrent.futures.Future[Any]) -> None:
             exc = fut.exception()
+            if exc is None:
+                try:
+                    self._after_commit(step, url)
+                except BaseException as late:  # noqa: BLE001 -- `done` must settle, or wait() hangs
+                    exc = late
             if exc is not None:
                 done.set_exception(exc)
-                return
-            self._after_commit(step, url)
-            done.set_result(None)
+            else:
+                done.set_result(None)
 
         upload.add_done_callback(_settle)
         return True

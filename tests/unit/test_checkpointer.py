@@ -269,7 +269,7 @@ def test_example_kill_and_resume_keeps_the_loss_curve(tmp_path) -> None:
     assert reference.returncode == 0, reference.stderr[-3000:]
     killed = _run_example("--root", str(tmp_path / "run"), *common, "--kill-at-step", "6")
     assert killed.returncode == 128 + 9, killed.stderr[-3000:]
-    assert max(_losses(killed.stdout)) == 6
+    assert max(_losses(killed.stdout)) == 6, killed.stdout
     resumed = _run_example("--root", str(tmp_path / "run"), *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
@@ -279,5 +279,5 @@ def test_example_kill_and_resume_keeps_the_loss_curve(tmp_path) -> None:
     assert start in (3, 6)  # step 3 committed before step 6's save began; 6 may not have
     ref, got = _losses(reference.stdout), _losses(resumed.stdout)
     assert sorted(ref) == list(range(1, 10))
-    assert sorted(got) == list(range(start + 1, 10))
-    assert all(got[s] == ref[s] for s in got)
+    assert sorted(got) == list(range(start + 1, 10)), resumed.stdout
+    assert all(got[s] == ref[s] for s in got), (reference.stdout, resumed.stdout)
