@@ -273,12 +273,15 @@ class CheckpointStoreTests:
         script = tmp_path / "victim.py"
         script.write_text(textwrap.dedent(f"""
             import pickle, sys, torch, torch.distributed.checkpoint as dcp
-            from dcp_volumes import VolumeWriter, TransferOptions
+            from dcp_volumes import VolumeWriter, SpoolOptions, TransferOptions
             from dcp_volumes.testing.suite import SlowPlanner
             opts = pickle.loads(bytes.fromhex(sys.argv[1]))
             state = {{f"t{{i}}": torch.randn(400_000) for i in range(40)}}
             print("start", flush=True)
+            # 20 files of 2 items: the first shard is complete (visible) after ~0.2 s of a
+            # save that takes >= 4 s, so the kill lands mid-save even on a loaded machine.
             dcp.save(state, storage_writer=VolumeWriter({url!r}, storage_options=opts,
+                     spool=SpoolOptions(files_per_rank=20),
                      transfer=TransferOptions(part_size=5 << 20, max_concurrency=2)),
                      planner=SlowPlanner(0.1), no_dist=True)
             print("done", flush=True)
@@ -297,6 +300,9 @@ class CheckpointStoreTests:
                 pytest.fail("the victim never uploaded a shard")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(30)
+            output = proc.stdout.read().decode()  # type: ignore[union-attr]
+            assert "done" not in output, "the save finished before it could be killed"
+            assert proc.returncode == -signal.SIGKILL
         finally:
             if proc.poll() is None:
                 proc.kill()
