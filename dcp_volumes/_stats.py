@@ -8,8 +8,22 @@ from typing import Any
 __all__ = ["LoadStats", "SaveStats"]
 
 
+class _Figures:
+    """Shared by the two figure sets: throughput over the main byte count and phase."""
+
+    def _rate(self, nbytes: int, seconds: float) -> float:
+        return nbytes / 2**20 / seconds if seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mib_per_s": round(self.mib_per_s, 2)}  # type: ignore[call-overload]
+
+    @property
+    def mib_per_s(self) -> float:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class SaveStats:
+class SaveStats(_Figures):
     """One rank's view of one save.
 
     Attributes:
@@ -38,14 +52,11 @@ class SaveStats:
 
     @property
     def mib_per_s(self) -> float:
-        return self.bytes / 2**20 / self.upload_s if self.upload_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mib_per_s": round(self.mib_per_s, 2)}
+        return self._rate(self.bytes, self.upload_s)
 
 
 @dataclass(frozen=True)
-class LoadStats:
+class LoadStats(_Figures):
     """One rank's view of one load.
 
     Attributes:
@@ -70,7 +81,4 @@ class LoadStats:
 
     @property
     def mib_per_s(self) -> float:
-        return self.bytes_fetched / 2**20 / self.fetch_s if self.fetch_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mib_per_s": round(self.mib_per_s, 2)}
+        return self._rate(self.bytes_fetched, self.fetch_s)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
+from dcp_volumes._fs import Backend, CallStats, Location, redact_url
 from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
 from dcp_volumes._readplan import apply_need, check_need, describe, plan_needs, plan_ranges
 from dcp_volumes._stats import LoadStats
@@ -25,7 +25,7 @@ __all__ = ["VolumeReader"]
 logger = logging.getLogger(__name__)
 
 
-class VolumeReader(StorageReader):
+class VolumeReader(Location, StorageReader):
     """A DCP ``StorageReader`` for any fsspec URL, verifying checksums when present.
 
     Reads checkpoints written by :class:`~dcp_volumes.VolumeWriter` (checksums verified)
@@ -50,49 +50,20 @@ class VolumeReader(StorageReader):
         verify: bool = True,
     ) -> None:
         super().__init__()
-        self._url = os.fspath(path)
-        _parse_scheme(self._url)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
-        self._storage_options = dict(storage_options or {})
+        self._init_location(path, storage_options, retry)
         self.transfer = transfer or TransferOptions()
-        self.retry = retry or RetryOptions()
         self.verify = bool(verify)
-        self._backend_obj: Backend | None = None
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
         self._rank = 0
         self.last_stats: LoadStats | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_backend_obj"] = None
-        return state
-
     def __repr__(self) -> str:
         return f"VolumeReader({redact_url(self._url)!r})"
 
-    @property
-    def url(self) -> str:
-        return self._url
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._url
-
-    def _backend(self) -> Backend:
-        if self._backend_obj is None:
-            self._backend_obj = open_backend(self._url, self._storage_options, self.retry)
-        return self._backend_obj
-
     # ---- StorageReader -----------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            url = os.fspath(checkpoint_id)
-            _parse_scheme(url)
-            if url != self._url:
-                self._url = url
-                self._backend_obj = None
+        self._switch_url(checkpoint_id)
         self._storage_data = {}
         self._manifest = None
 
@@ -215,13 +186,3 @@ class VolumeReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            _parse_scheme(os.fspath(checkpoint_id))
-        except errors.DCPVolumesError:
-            return False
-        return True
-
-

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, _parse_scheme, open_backend, redact_url
+from dcp_volumes._fs import Backend, CallStats, Location, redact_url
 from dcp_volumes._manifest import (
     FileEntry,
     ItemEntry,
@@ -101,7 +101,7 @@ def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class VolumeWriter(StorageWriter, AsyncStager):
+class VolumeWriter(Location, StorageWriter, AsyncStager):
     """A DCP ``StorageWriter`` for any fsspec URL: spool, concurrent upload, commit last.
 
     Example::
@@ -143,21 +143,14 @@ class VolumeWriter(StorageWriter, AsyncStager):
         retry: RetryOptions | None = None,
     ) -> None:
         super().__init__()
-        self._url = os.fspath(path)
-        _parse_scheme(self._url)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
-        self._storage_options = dict(storage_options or {})
+        self._init_location(path, storage_options, retry)
         self.overwrite = bool(overwrite)
         self.spool = spool or SpoolOptions()
         self.transfer = transfer or TransferOptions()
-        self.retry = retry or RetryOptions()
         for name, value, cls in (("spool", self.spool, SpoolOptions),
-                                 ("transfer", self.transfer, TransferOptions),
-                                 ("retry", self.retry, RetryOptions)):
+                                 ("transfer", self.transfer, TransferOptions)):
             if not isinstance(value, cls):
                 raise errors.ConfigError(f"{name}= must be a {cls.__name__}, got {type(value).__name__}")
-        self._backend_obj: Backend | None = None
         self._is_coordinator = False
         self._rank = 0
         self._save_id: str | None = None
@@ -169,8 +162,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         # Being pickled means a save runs in another process that reads our staged buffers
         # where we cannot see it finish: stop reusing them (see _staging).
         self._staging.disable_reuse()
-        state = self.__dict__.copy()
-        state["_backend_obj"] = None
+        state = super().__getstate__()
         state["_staging"] = None
         return state
 
@@ -193,28 +185,9 @@ class VolumeWriter(StorageWriter, AsyncStager):
     def __repr__(self) -> str:
         return f"VolumeWriter({redact_url(self._url)!r}, overwrite={self.overwrite})"
 
-    @property
-    def url(self) -> str:
-        """The checkpoint URL this writer saves to."""
-        return self._url
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._url
-
-    def _backend(self) -> Backend:
-        if self._backend_obj is None:
-            self._backend_obj = open_backend(self._url, self._storage_options, self.retry)
-        return self._backend_obj
-
     # ---- StorageWriter -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            url = os.fspath(checkpoint_id)
-            _parse_scheme(url)
-            if url != self._url:
-                self._url = url
-                self._backend_obj = None
+        self._switch_url(checkpoint_id)
         self._save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -398,14 +371,6 @@ class VolumeWriter(StorageWriter, AsyncStager):
             raise
         keep = set(ours) | {_layout.METADATA}
         return [name for name in superseded if name not in keep]
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            _parse_scheme(os.fspath(checkpoint_id))
-        except errors.DCPVolumesError:
-            return False
-        return True
 
 
 async def _objects_of_current_save(backend: Backend) -> list[str]:
