@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -309,7 +310,11 @@ class FileUpload:
                 if self._turn is None:
                     self._turn = asyncio.Condition()
                 async with self._turn:
-                    await self._turn.wait_for(lambda: self._next == part.number or up.failed)
+                    # Polls as well as waits: a failure elsewhere (another thread) must wake
+                    # parts queued behind one that will never come.
+                    while not (self._next == part.number or up.failed):
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._turn.wait(), timeout=0.5)
             if up.failed:
                 return
             async with up.semaphore:
