@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl", "write_report", "render_markdown", "targets"]
+__all__ = ["read_jsonl", "render_markdown", "targets", "write_report"]
 
 MiB = 1 << 20
 Record = dict[str, Any]
@@ -105,7 +105,9 @@ class Row:
 def save_rows(records: list[Record]) -> list[Row]:
     rows = []
     for (profile, contender), rs in _group(records, ("save_load", "raw")).items():
-        ws = lambda k: (lambda x: (x.get("writer_stats") or {}).get(k))  # noqa: E731
+        def ws(k: str) -> Callable[[dict[str, Any]], Any]:
+            return lambda x: (x.get("writer_stats") or {}).get(k)
+
         rows.append(Row(
             profile, contender, len(rs),
             _res(rs, lambda x: x["save_s"]), _res(rs, _mibs("save_s")),
@@ -148,6 +150,10 @@ def _ratio(a: Stat | None, b: Stat | None) -> float | None:
     return a.med / b.med
 
 
+def _med(s: Stat | None, scale: float = 1.0) -> float | None:
+    return None if s is None else s.med * scale
+
+
 def _fx(x: float | None, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -175,10 +181,18 @@ def _parse_conc(contender: str) -> int | None:
         return None
 
 
+def _load_ratio(lw: str, denominator: str) -> Callable[[dict[str, Any]], float]:
+    return lambda x: x["loads"][lw]["bytes_fetched"] / x["loads"][lw][denominator]
+
+
+def _load_field(lw: str, k: str) -> Callable[[dict[str, Any]], float]:
+    return lambda x: x["loads"][lw][k]  # type: ignore[no-any-return]
+
+
 def targets(records: list[Record]) -> list[Target]:
     rows = save_rows(records)
     out: list[Target] = []
-    part_size = next((r.get("part_size") for r in records if r.get("part_size")), 16 * MiB)
+    part_size = int(next((r["part_size"] for r in records if r.get("part_size")), 16 * MiB))
 
     def add(name: str, measured: str, ratio: float | None, goal: str,
             ok: Callable[[float], bool]) -> None:
@@ -219,13 +233,11 @@ def targets(records: list[Record]) -> list[Target]:
                 "≤ 1.0", lambda x: x <= 1.0)
     for (profile,), rs in _group(records, "reshard", key=lambda r: (r["profile"],)).items():
         for lw in sorted({w for r in rs for w in r["result"]["loads"]}):
-            reader = _res(rs, lambda x: x["loads"][lw]["bytes_fetched"]
-                          / x["loads"][lw]["bytes_needed"])
-            logical = _res(rs, lambda x: x["loads"][lw]["bytes_fetched"]
-                           / x["loads"][lw]["logical_bytes_needed"])
+            reader = _res(rs, _load_ratio(lw, "bytes_needed"))
+            logical = _res(rs, _load_ratio(lw, "logical_bytes_needed"))
             if logical:
                 add(f"{profile}: 2→{lw} ranks bytes fetched ÷ bytes the new shards need",
-                    f"reader's own figure (÷ stored items needed): {_fx(reader and reader.med)}",
+                    f"reader's own figure (÷ stored items needed): {_fx(_med(reader))}",
                     logical.med, "≤ 1.1", lambda x: x <= 1.1)
     for r in rows:
         conc = _parse_conc(r.contender) if r.contender.startswith("vol-") else None
@@ -248,10 +260,13 @@ def _meta(records: list[Record]) -> Record:
 def render_markdown(records: list[Record]) -> str:
     meta = _meta(records)
     rows = save_rows(records)
-    size = meta.get("size_bytes", 0)
+    sizes: dict[str, int] = {}
+    for r in records:
+        sizes.setdefault(r.get("profile", "?"), r.get("size_bytes", 0))
+    size_text = ", ".join(f"{p} {n / MiB:.0f} MiB" for p, n in sizes.items())
     lines: list[str] = []
     add = lines.append
-    add(f"# dcp_volumes benchmark — {size / MiB:.0f} MiB state dict\n")
+    add(f"# dcp_volumes benchmark — state dict {size_text}\n")
     if meta:
         v, m = meta.get("versions", {}), meta.get("machine", {})
         prof = (meta.get("network_profiles") or {}).get("s3-like") or {}
@@ -262,6 +277,13 @@ def render_markdown(records: list[Record]) -> str:
         add(f"- machine: {m.get('cpu_count')} CPUs ({m.get('cpu_model', '?')}), "
             f"{m.get('ram_gib')} GiB RAM, {m.get('platform')}")
         add("- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val))
+        src = meta.get("source") or {}
+        if src:
+            bits = [f"git {src['git_commit']}" + (" + local changes" if src.get("git_dirty")
+                                                  else "")] if src.get("git_commit") else []
+            if src.get("note"):
+                bits.append(src["note"])
+            add("- dcp_volumes measured: " + ("; ".join(bits) or src.get("path", "?")))
         if prof:
             add(f"- profiles: `direct` = straight to the server; `s3-like` = through FaultProxy "
                 f"(+{prof.get('first_byte_delay_s', 0) * 1e3:.0f} ms first byte per response, "
@@ -274,34 +296,35 @@ def render_markdown(records: list[Record]) -> str:
     for profile in [p for p in ("direct", "s3-like") if any(r.profile == p for r in rows)]:
         csave, cload = ceiling(rows, profile, "save"), ceiling(rows, profile, "load")
         base = _find(rows, profile, "fsspec-t1")
-        add(f"## Save and load — `{profile}`\n")
+        add(f"## Save and load — `{profile}` ({sizes.get(profile, 0) / MiB:.0f} MiB state "
+            "dict, world size 1)\n")
         if csave:
-            add(f"Raw ceiling: upload {csave.contender} "
-                f"{csave.save_mibs.med:.1f} MiB/s, download {cload.contender if cload else '—'} "  # type: ignore[union-attr]
-                f"{cload.load_mibs.med if cload and cload.load_mibs else float('nan'):.1f} MiB/s.\n")
+            add(f"Raw ceiling: upload {csave.contender} {_fx(_med(csave.save_mibs), 1)} MiB/s, "
+                f"download {cload.contender if cload else '—'} "
+                f"{_fx(_med(cload.load_mibs) if cload else None, 1)} MiB/s.\n")
         add("| contender | save s | save MiB/s | ×ceiling | ×fsspec-t1 | spool / tail / commit s "
             "| peak RSS +MiB | save CPU s | load s | load MiB/s | ×ceiling | ×s3tc | ×fsspec-t1 |")
         add("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         s3tc = _find(rows, profile, "s3tc-t8")
-        for r in (x for x in rows if x.profile == profile):
+        for row in (x for x in rows if x.profile == profile):
             split = "—"
-            if r.spool_s:
-                split = (f"{r.spool_s.med:.2f} / {r.upload_tail_s.med if r.upload_tail_s else 0:.2f}"
-                         f" / {r.commit_s.med if r.commit_s else 0:.2f}")
+            if row.spool_s:
+                split = (f"{row.spool_s.med:.2f} / {_fx(_med(row.upload_tail_s))}"
+                         f" / {_fx(_med(row.commit_s))}")
             add("| " + " | ".join([
-                f"`{r.contender}`",
-                r.save_s.fmt() if r.save_s else "—",
-                r.save_mibs.fmt(1) if r.save_mibs else "—",
-                _fx(_ratio(r.save_mibs, csave.save_mibs if csave else None)),
-                _fx(_ratio(r.save_mibs, base.save_mibs if base else None)),
+                f"`{row.contender}`",
+                _fmt(row.save_s, 2),
+                _fmt(row.save_mibs, 1),
+                _fx(_ratio(row.save_mibs, csave.save_mibs if csave else None)),
+                _fx(_ratio(row.save_mibs, base.save_mibs if base else None)),
                 split,
-                r.rss.fmt(0) if r.rss else "—",
-                r.save_cpu_s.fmt(1) if r.save_cpu_s else "—",
-                r.load_s.fmt() if r.load_s else "—",
-                r.load_mibs.fmt(1) if r.load_mibs else "—",
-                _fx(_ratio(r.load_mibs, cload.load_mibs if cload else None)),
-                _fx(_ratio(r.load_mibs, s3tc.load_mibs if s3tc else None)),
-                _fx(_ratio(r.load_mibs, base.load_mibs if base else None)),
+                _fmt(row.rss, 0),
+                _fmt(row.save_cpu_s, 1),
+                _fmt(row.load_s, 2),
+                _fmt(row.load_mibs, 1),
+                _fx(_ratio(row.load_mibs, cload.load_mibs if cload else None)),
+                _fx(_ratio(row.load_mibs, s3tc.load_mibs if s3tc else None)),
+                _fx(_ratio(row.load_mibs, base.load_mibs if base else None)),
             ]) + " |")
         add("")
     asyncs = _group(records, "async", key=lambda r: (r["profile"],))
@@ -330,17 +353,15 @@ def render_markdown(records: list[Record]) -> str:
         add("|---|---|---|---|---|---|---|---|---|")
         for (profile,), rs in sorted(reshards.items()):
             for lw in sorted({w for r in rs for w in r["result"]["loads"]}):
-                def g(k: str, lw: str = lw) -> Callable[[dict[str, Any]], float]:
-                    return lambda x: x["loads"][lw][k]
-                fetched = _res(rs, g("bytes_fetched"))
-                logical = _res(rs, g("logical_bytes_needed"))
-                needed = _res(rs, g("bytes_needed"))
+                fetched = _res(rs, _load_field(lw, "bytes_fetched"))
+                logical = _res(rs, _load_field(lw, "logical_bytes_needed"))
+                needed = _res(rs, _load_field(lw, "bytes_needed"))
                 add("| " + " | ".join([
-                    profile, f"{lw} rank(s)", _fmt(_res(rs, g("load_s")), 2),
-                    _fx(logical and logical.med / MiB, 1), _fx(needed and needed.med / MiB, 1),
-                    _fx(fetched and fetched.med / MiB, 1), _fx(_ratio(fetched, logical)),
-                    _fx(_ratio(fetched, needed)), _fx(_res(rs, g("ranges")).med  # type: ignore[union-attr]
-                                                      if _res(rs, g("ranges")) else None, 0),
+                    profile, f"{lw} rank(s)", _fmt(_res(rs, _load_field(lw, "load_s")), 2),
+                    _fx(_med(logical, 1 / MiB), 1), _fx(_med(needed, 1 / MiB), 1),
+                    _fx(_med(fetched, 1 / MiB), 1), _fx(_ratio(fetched, logical)),
+                    _fx(_ratio(fetched, needed)),
+                    _fx(_med(_res(rs, _load_field(lw, "ranges"))), 0),
                 ]) + " |")
         add("")
     scal = _group(records, "scaling", key=lambda r: (r["profile"], r["layout"], r["world"]))
@@ -410,13 +431,18 @@ def write_plots(records: list[Record], out_dir: Path) -> list[Path]:
                        [s.hi - s.med if s else 0 for s in stats]]
                 ax.bar([x + off for x in xs], med, 0.4, yerr=err, capsize=2, label=which,
                        color=color)
+            tops = [getattr(r, f"{w}_mibs").med for r in rs for w in ("save", "load")
+                    if getattr(r, f"{w}_mibs")]
+            if tops and max(tops) > 12 * min(tops):
+                ax.set_yscale("log")  # the local-disk reference dwarfs the object stores
             c = ceiling(rows, profile, "save")
             if c and c.save_mibs:
                 ax.axhline(c.save_mibs.med, ls="--", color="tab:blue", lw=1,
                            label=f"raw upload ceiling ({c.contender})")
             ax.set_xticks(list(xs))
             ax.set_xticklabels([r.contender for r in rs], rotation=30, ha="right", fontsize=8)
-            ax.set_ylabel("MiB/s (median, min–max)")
+            ax.set_ylabel("MiB/s (median, min–max)" + (", log" if ax.get_yscale() == "log"
+                                                         else ""))
             ax.set_title(f"throughput by contender — {profile}")
             ax.legend(fontsize=8)
         fig.tight_layout()
@@ -426,7 +452,8 @@ def write_plots(records: list[Record], out_dir: Path) -> list[Path]:
     if asyncs:
         fig, ax = plt.subplots(figsize=(8, 3.6))
         labels, vals, errs = [], [], []
-        direct = asyncs.get(("direct",)) or next(iter(asyncs.values()))
+        shown = ("direct",) if ("direct",) in asyncs else next(iter(asyncs))
+        direct = asyncs[shown]
         for label, fn in (("copy into prealloc\n(floor)", lambda x: x["copy_prealloc_s"]),
                           ("fresh clone\n(floor)", lambda x: x["copy_clone_s"]),
                           ("VolumeWriter\nasync_save #2", lambda x: x["async_block_s"]),
@@ -443,22 +470,25 @@ def write_plots(records: list[Record], out_dir: Path) -> list[Path]:
         ax.set_xticks(range(len(vals)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_ylabel("ms until control returns")
-        ax.set_title("async_save blocking time vs the memory-copy floor")
+        ax.set_title(f"async_save blocking time vs the memory-copy floor ({shown[0]}; "
+                     "median, min–max)")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "async_blocking.png"))
         plt.close(fig)
     scal = _group(records, "scaling", key=lambda r: (r["profile"], r["layout"]))
     if scal:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        for (profile, layout), rs in sorted(scal.items()):
-            worlds = sorted({r["world"] for r in rs})
+        for (profile, layout), recs in sorted(scal.items()):
+            worlds = sorted({r["world"] for r in recs})
             for ax, field in zip(axes, ("save_s", "load_s")):
                 meds = []
                 for w in worlds:
-                    s = _res([r for r in rs if r["world"] == w], _mibs(field))
-                    meds.append(s.med if s else 0)
+                    st = _res([r for r in recs if r["world"] == w], _mibs(field))
+                    meds.append(st.med if st else 0)
                 ax.plot(worlds, meds, marker="o", label=f"{layout} ({profile})")
         for ax, what in zip(axes, ("save", "load")):
+            ax.set_ylim(bottom=0)
+            ax.set_xticks(sorted({r["world"] for rs in scal.values() for r in rs}))
             ax.set_xlabel("ranks (gloo, one host)")
             ax.set_ylabel("MiB/s of state (median)")
             ax.set_title(f"{what}: scaling with ranks, total size fixed")

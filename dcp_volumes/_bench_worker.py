@@ -229,16 +229,16 @@ class RssSampler:
         while not self._stop.is_set():
             try:
                 self.peak = max(self.peak, self._proc.memory_info().rss)
-            except Exception:  # noqa: BLE001 — a missed sample is fine
+            except Exception:  # noqa: BLE001, S110 — a missed sample is fine
                 pass
             self._stop.wait(self._interval)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> RssSampler:  # noqa: PYI034
         self.peak = self._proc.memory_info().rss
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
@@ -250,12 +250,12 @@ def cpu_s() -> float:
 
 
 class Timer:
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> Timer:  # noqa: PYI034
         self.cpu0 = cpu_s()
         self.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.t0
         self.cpu = cpu_s() - self.cpu0
 
@@ -375,6 +375,8 @@ def job_save_load(spec: dict[str, Any]) -> dict[str, Any]:
         "writer_stats": _stats(writer),
     }
     del writer
+    if spec.get("save_only"):
+        return out
     target = build_state(spec["pool"], specs, fill=False)
     reader = make_reader(contender, url, spec)
     gc.collect()
@@ -442,6 +444,8 @@ def _raw_client(client: str, spec: dict[str, Any], bucket: str, part: int, per_f
         return [(o, min(n, o + part)) for o in range(0, n, part)]
 
     if client == "obstore":
+        import concurrent.futures
+
         import obstore
         from obstore.store import S3Store
 
@@ -450,26 +454,26 @@ def _raw_client(client: str, spec: dict[str, Any], bucket: str, part: int, per_f
         if endpoint:
             kwargs["endpoint"] = endpoint
         store = S3Store(bucket, **kwargs)
+        # obstore's sync calls release the GIL and run on its own Tokio runtime; they were
+        # much faster here than its asyncio bindings driven by asyncio.run.
 
-        async def _up(keys: list[str], bodies: list[Any]) -> None:
-            await asyncio.gather(*(obstore.put_async(store, k, b, chunk_size=part,
-                                                     max_concurrency=per_file)
-                                   for k, b in zip(keys, bodies)))
+        def _up(keys: list[str], bodies: list[Any]) -> None:
+            with concurrent.futures.ThreadPoolExecutor(len(keys)) as ex:
+                list(ex.map(lambda kb: obstore.put(store, kb[0], kb[1], chunk_size=part,
+                                                   max_concurrency=per_file),
+                            zip(keys, bodies)))
 
-        async def _down(keys: list[str], sizes: list[int]) -> list[Any]:
-            sem = asyncio.Semaphore(conc)
+        def _down(keys: list[str], sizes: list[int]) -> list[Any]:
+            # Exactly ``conc`` ranged GETs in flight: one per thread (get_range drops the GIL).
+            jobs = [(i, k, a, b) for i, (k, n) in enumerate(zip(keys, sizes))
+                    for a, b in ranges(n)]
+            with concurrent.futures.ThreadPoolExecutor(conc) as ex:
+                got = list(ex.map(lambda j: obstore.get_range(store, j[1], start=j[2], end=j[3]),
+                                  jobs))
+            return [b"".join(bytes(c) for (i, *_), c in zip(jobs, got) if i == f)
+                    for f in range(len(keys))]
 
-            async def one(k: str, a: int, b: int) -> Any:
-                async with sem:
-                    return await obstore.get_range_async(store, k, start=a, end=b)
-
-            outs = []
-            for k, n in zip(keys, sizes):
-                outs.append(asyncio.gather(*(one(k, a, b) for a, b in ranges(n))))
-            chunks = await asyncio.gather(*outs)
-            return [b"".join(bytes(c) for c in cs) for cs in chunks]
-
-        return (lambda k, b: asyncio.run(_up(k, b))), (lambda k, s: asyncio.run(_down(k, s)))
+        return _up, _down
 
     if client in ("s3fs", "fsspec"):
         import fsspec
@@ -478,7 +482,7 @@ def _raw_client(client: str, spec: dict[str, Any], bucket: str, part: int, per_f
         fs = fsspec.filesystem(protocol, asynchronous=False, **(spec.get("storage_options") or {}))
         from fsspec.asyn import sync
 
-        async def _up(keys: list[str], bodies: list[Any]) -> None:
+        async def _aup(keys: list[str], bodies: list[Any]) -> None:
             if protocol == "s3":
                 await asyncio.gather(*(fs._pipe_file(f"{bucket}/{k}", b, chunksize=part,
                                                      max_concurrency=per_file)
@@ -487,7 +491,7 @@ def _raw_client(client: str, spec: dict[str, Any], bucket: str, part: int, per_f
                 await asyncio.gather(*(fs._pipe_file(f"{bucket}/{k}", bytes(b))
                                        for k, b in zip(keys, bodies)))
 
-        async def _down(keys: list[str], sizes: list[int]) -> list[Any]:
+        async def _adown(keys: list[str], sizes: list[int]) -> list[Any]:
             sem = asyncio.Semaphore(conc)
 
             async def one(k: str, a: int, b: int) -> bytes:
@@ -498,7 +502,7 @@ def _raw_client(client: str, spec: dict[str, Any], bucket: str, part: int, per_f
                                             for k, n in zip(keys, sizes)))
             return [b"".join(cs) for cs in chunks]
 
-        return (lambda k, b: sync(fs.loop, _up, k, b)), (lambda k, s: sync(fs.loop, _down, k, s))
+        return (lambda k, b: sync(fs.loop, _aup, k, b)), (lambda k, s: sync(fs.loop, _adown, k, s))
 
     if client == "boto3":
         import concurrent.futures
@@ -543,7 +547,7 @@ def job_async(spec: dict[str, Any]) -> dict[str, Any]:
     url = spec["url"].rstrip("/")
     writer = make_writer(spec["contender"], url + "/a0", spec)
     with Timer() as first:
-        fut = dcp.async_save(state, checkpoint_id=url + "/a0", storage_writer=writer)
+        fut: Any = dcp.async_save(state, checkpoint_id=url + "/a0", storage_writer=writer)
     fut.result()
 
     # Copy floors: into preallocated (already touched) buffers, and a fresh clone.
@@ -584,7 +588,8 @@ def job_async(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("torch_default_stager"):
         # torch's DefaultStager (a fresh CPU copy per save) in front of FsspecWriter t=8.
         fw = make_writer("fsspec-t8", url + "/d0", spec)
-        dcp.async_save(state, checkpoint_id=url + "/d0", storage_writer=fw).result()
+        fut = dcp.async_save(state, checkpoint_id=url + "/d0", storage_writer=fw)
+        fut.result()
         with Timer() as tblock:
             fut = dcp.async_save(state, checkpoint_id=url + "/d1",
                                  storage_writer=make_writer("fsspec-t8", url + "/d1", spec))
@@ -661,20 +666,36 @@ def _rank_load_into(rank: int, world: int, spec: dict[str, Any], url: str, layou
             "ok": check_state(spec["pool"], specs, target, layout=layout, world=world, rank=rank)}
 
 
+def _rank_scaling(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for layout in spec["layouts"]:
+        url = f"{spec['url'].rstrip('/')}/{layout}"
+        out[layout] = _rank_save(rank, world, {**spec, "layout": layout, "url": url,
+                                               "load_same": True})
+        gc.collect()
+    return out
+
+
 def job_scaling(spec: dict[str, Any]) -> dict[str, Any]:
-    """Save and load the same total size with ``world`` ranks (sharded or replicated)."""
+    """Save and load the same total size with ``world`` ranks, for each layout in
+    ``layouts`` (sharded DTensors, replicated plain tensors), in one set of rank processes."""
     from dcp_volumes.testing.dist import run_ranks
 
     world = int(spec["world"])
-    ranks = run_ranks(world, _rank_save, {**spec, "load_same": True}, timeout=spec["timeout"])
-    r0 = ranks[0]
-    return {
-        "bytes": state_bytes(layout_for(spec["size"])), "world": world,
-        "save_s": r0["save_s"], "load_s": r0["load_s"],
-        "save_rss_peak_mib": max(r["save_rss_peak_mib"] for r in ranks),
-        "bytes_fetched": sum((r["reader_stats"] or {}).get("bytes_fetched", 0) for r in ranks),
-        "ok": all(r["ok"] for r in ranks), "ranks": ranks,
-    }
+    per_rank = run_ranks(world, _rank_scaling, spec, timeout=spec["timeout"])
+    by_layout = {}
+    for layout in spec["layouts"]:
+        ranks = [r[layout] for r in per_rank]
+        r0 = ranks[0]
+        by_layout[layout] = {
+            "bytes": state_bytes(layout_for(spec["size"])), "world": world,
+            "save_s": r0["save_s"], "load_s": r0["load_s"],
+            "save_rss_peak_mib": max(r["save_rss_peak_mib"] for r in ranks),
+            "bytes_fetched": sum((r["reader_stats"] or {}).get("bytes_fetched", 0)
+                                 for r in ranks),
+            "ok": all(r["ok"] for r in ranks), "ranks": ranks,
+        }
+    return {"by_layout": by_layout, "ok": all(v["ok"] for v in by_layout.values())}
 
 
 def job_reshard(spec: dict[str, Any]) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run", "main", "parse_size", "DEFAULT_CONTENDERS", "SMOKE"]
+__all__ = ["DEFAULT_CONTENDERS", "SMOKE", "add_arguments", "main", "parse_size", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +108,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("what to measure")
     g.add_argument("--size", type=parse_size, default=GiB,
                    help="state dict size, e.g. 64MiB, 512MiB, 1GiB (default 1GiB)")
+    g.add_argument("--s3-like-size", type=parse_size, default=None, metavar="SIZE",
+                   help="state dict size under the s3-like profile (default: --size); at "
+                        "10 MB/s per connection the slow contenders take minutes per GiB")
     g.add_argument("--reps", type=int, default=3, help="repetitions per measurement (default 3)")
     g.add_argument("--smoke", action="store_true",
                    help="tiny run for CI: 8 MiB, 1 repetition, few contenders, direct only")
     g.add_argument("--contenders", type=_csv, default=DEFAULT_CONTENDERS,
-                   help="comma-separated contenders (default: all of "
+                   help="comma-separated contenders; NAME:save measures the save only "
+                        "(default: all of "
                         f"{','.join(DEFAULT_CONTENDERS)})")
+    g.add_argument("--s3-like-contenders", type=_csv, default=None,
+                   help="contenders under the s3-like profile (default: --contenders)")
+    g.add_argument("--no-torch-stager", action="store_true",
+                   help="skip the async_save comparison with torch's DefaultStager "
+                        "(FsspecWriter t=8)")
     g.add_argument("--kinds", type=_csv, default=DEFAULT_KINDS,
                    help="comma-separated measurement kinds: save (save+load per contender, raw "
                         "clients), async, reshard, scaling (default: all)")
@@ -121,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="network profiles: direct, s3-like (default both)")
     g.add_argument("--scaling-profiles", type=_csv, default=("direct",),
                    help="profiles for the rank-scaling runs (default: direct)")
+    g.add_argument("--reshard-profiles", type=_csv, default=("direct",),
+                   help="profiles for the resharded-load runs (default: direct)")
     g.add_argument("--ranks", type=_csv, default=("1", "2", "4"),
                    help="world sizes for the scaling runs (default 1,2,4)")
     g.add_argument("--part-size", type=parse_size, default=16 * MiB,
@@ -158,6 +169,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="per measurement (default: 120 s + 1 s per 2 MB)")
+    o.add_argument("--py-spy", metavar="DIR",
+                   help="profiling mode: run every worker under `py-spy record` and write "
+                        "collapsed stacks (DIR/<n>-<kind>-<contender>-<profile>.txt) for "
+                        "flamegraphs; sampling perturbs the timings, so don't publish them")
     o.add_argument("--restart-every", type=parse_size, default=24 * GiB, metavar="SIZE",
                    help="restart the local server after this many bytes written, to keep its "
                         "disk use bounded (default 24GiB)")
@@ -175,6 +190,26 @@ def versions() -> dict[str, str | None]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    return out
+
+
+def _source() -> dict[str, Any]:
+    """Which dcp_volumes code was measured: its path and, in a git checkout, the commit."""
+    import dcp_volumes
+
+    pkg = Path(dcp_volumes.__file__).resolve().parent
+    out: dict[str, Any] = {"path": str(pkg)}
+    note = os.environ.get("DCP_VOLUMES_BENCH_SOURCE")
+    if note:
+        out["note"] = note
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=pkg, text=True,
+                              capture_output=True, timeout=10, check=False)
+        if head.returncode == 0:
+            out["git_commit"] = head.stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=pkg,
+                                   text=True, capture_output=True, timeout=10, check=False)
+            out["git_dirty"] = bool(dirty.stdout.strip())
     return out
 
 
@@ -343,28 +378,32 @@ class _Job:
     @property
     def label(self) -> str:
         bits = [self.kind, self.contender, self.profile]
-        bits += [f"{k}={v}" for k, v in sorted(self.extra.items()) if k in ("world", "layout")]
+        bits += [f"{k}={v}" for k, v in sorted(self.extra.items()) if k == "world"]
         return " ".join(bits)
 
 
 def _applies(contender: str, protocol: str) -> bool:
-    if protocol != "s3" and contender.startswith(_S3_ONLY):
-        return False
-    return True
+    return protocol == "s3" or not contender.startswith(_S3_ONLY)
 
 
 def plan(args: argparse.Namespace, protocol: str) -> tuple[list[_Job], list[str]]:
     """The measurements of one repetition, in the order they run; and what was skipped why."""
     jobs: list[_Job] = []
     skipped: list[str] = []
-    contenders = list(args.contenders)
-    for c in contenders:
-        from dcp_volumes._bench_worker import parse_contender
+    from dcp_volumes._bench_worker import parse_contender
 
-        parse_contender(c)  # validate early
+    by_profile = {p: list(args.contenders) for p in args.profiles}
+    if getattr(args, "s3_like_contenders", None) and "s3-like" in by_profile:
+        by_profile["s3-like"] = list(args.s3_like_contenders)
+    for c in {c for cs in by_profile.values() for c in cs}:
+        parse_contender(c.split(":", 1)[0])  # validate early
+        if ":" in c and c.split(":", 1)[1] != "save":
+            raise ValueError(f"contender {c!r}: the only suffix is ':save' (skip the load)")
     for profile in args.profiles:
         if "save" in args.kinds:
-            for c in contenders:
+            for entry in by_profile[profile]:
+                c, _, suffix = entry.partition(":")
+                extra = {"save_only": True} if suffix == "save" else {}
                 if not _applies(c, protocol):
                     skipped.append(f"{c}: needs an s3:// store")
                     continue
@@ -373,21 +412,21 @@ def plan(args: argparse.Namespace, protocol: str) -> tuple[list[_Job], list[str]
                 if c == "local-fs" and profile != "direct":
                     continue  # no network in the way: measured once, under direct
                 kind = "raw" if c.startswith("raw-") else "save_load"
-                jobs.append(_Job(kind, c, profile))
+                jobs.append(_Job(kind, c, profile, extra))
         if "async" in args.kinds:
             jobs.append(_Job("async", "vol-disk-c8", profile,
-                             {"torch_default_stager": profile == "direct"}))
-        if "reshard" in args.kinds:
+                             {"torch_default_stager": profile == "direct"
+                              and not args.no_torch_stager}))
+        if "reshard" in args.kinds and profile in args.reshard_profiles:
             jobs.append(_Job("reshard", "vol-disk-c8", profile,
-                             {"save_world": 2, "load_worlds": [3] if args.smoke else [1, 3]}))
+                             {"save_world": 2, "load_worlds": [1] if args.smoke else [1, 3]}))
     if "scaling" in args.kinds:
         for profile in args.scaling_profiles:
             if profile not in args.profiles:
                 continue
-            for layout in ("sharded", "replicated"):
-                for world in args.ranks:
-                    jobs.append(_Job("scaling", "vol-disk-c8", profile,
-                                     {"world": int(world), "layout": layout}))
+            for world in args.ranks:
+                jobs.append(_Job("scaling", "vol-disk-c8", profile,
+                                 {"world": int(world), "layouts": ["sharded", "replicated"]}))
     return jobs, skipped
 
 
@@ -411,28 +450,34 @@ def _batches(jobs: list[_Job], *, one_process: bool) -> list[list[_Job]]:
 
 
 def _run_worker(specs: list[dict[str, Any]], env: dict[str, str], timeout: float,
-                workdir: str) -> list[dict[str, Any]]:
+                workdir: str, profile_to: str | None = None) -> list[dict[str, Any]]:
     spec_path = os.path.join(workdir, f"spec-{secrets.token_hex(4)}.json")
     out_path = spec_path.replace("spec-", "out-")
     with open(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(specs, f)
     log_path = out_path + ".log"
+    argv = [sys.executable, "-m", "dcp_volumes._bench_worker", spec_path, out_path]
+    if profile_to:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        argv = [spy, "record", "--format", "raw", "--rate", "200", "--subprocesses",
+                "--output", profile_to, "--", *argv]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dcp_volumes._bench_worker", spec_path, out_path],
+            argv,
             env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # The worker and the rank processes it spawned form its own process group.
+        except BaseException:  # timeout or Ctrl-C
+            # The worker and the rank processes it spawned form their own process group.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
             proc.wait()
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
     results: list[dict[str, Any]] = []
-    with contextlib.suppress(OSError, ValueError):
-        with open(out_path) as f:
-            results = json.load(f)
+    with contextlib.suppress(OSError, ValueError), open(out_path) as f:
+        results = json.load(f)
     if len(results) < len(specs):
         tail = ""
         with contextlib.suppress(OSError):
@@ -446,10 +491,25 @@ def _run_worker(specs: list[dict[str, Any]], env: dict[str, str], timeout: float
     return results
 
 
+def _records(base: dict[str, Any], res: dict[str, Any]) -> list[dict[str, Any]]:
+    """JSON lines for one measurement (a scaling job gives one per state layout)."""
+    if "error" in res:
+        return [{**base, "error": res["error"], "traceback": res.get("traceback", "")}]
+    result = res["result"]
+    if "by_layout" in result:
+        base = {k: v for k, v in base.items() if k != "layouts"}
+        return [{**base, "layout": layout, "result": sub}
+                for layout, sub in result["by_layout"].items()]
+    return [{**base, "result": result}]
+
+
 def _summary_line(job: _Job, res: dict[str, Any]) -> str:
     if "error" in res:
         return f"ERROR {res['error'].splitlines()[0][:160]}"
     r = res["result"]
+    if "by_layout" in r:
+        return "; ".join(f"{k}: {_summary_line(job, {'result': v})}"
+                         for k, v in r["by_layout"].items())
     mib = r.get("bytes", 0) / MiB
     parts = []
     if "save_s" in r:
@@ -478,8 +538,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        records = report.read_jsonl(args.report_only)
-        report.write_report(records, out_dir, plots=not args.no_plots)
+        report.write_report(report.read_jsonl(args.report_only), out_dir,
+                            plots=not args.no_plots)
         print(f"wrote {out_dir / 'results.md'}")
         return 0
     if args.smoke:
@@ -494,11 +554,13 @@ def run(args: argparse.Namespace) -> int:
     from dcp_volumes._bench_worker import layout_for, state_bytes, write_pool
 
     run_id = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
-    nbytes = state_bytes(layout_for(args.size))
-    timeout = args.timeout or 120.0 + nbytes / 2e6
+    sizes = {p: (args.s3_like_size if p == "s3-like" and args.s3_like_size else args.size)
+             for p in args.profiles}
+    nbytes = {p: state_bytes(layout_for(size)) for p, size in sizes.items()}
+    timeout = args.timeout or 120.0 + max(nbytes.values()) / 2e6
     common = {
         "schema": 1, "run_id": run_id, "command": _command(), "versions": versions(),
-        "machine": machine(), "size_bytes": nbytes, "part_size": args.part_size,
+        "machine": machine(), "source": _source(), "part_size": args.part_size,
         "network_profiles": {"direct": None, "s3-like": {
             "first_byte_delay_s": args.first_byte_delay,
             "per_connection_bytes_per_s": args.bandwidth}},
@@ -510,11 +572,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         pool = os.path.join(workdir, "pool.bin")
-        write_pool(pool, nbytes)
+        write_pool(pool, max(nbytes.values()))
         with _target(args, run_id) as target, open(jsonl, "w") as sink:
             jobs, skipped = plan(args, target.protocol)
-            for s in skipped:
-                print(f"skipped {s}", file=sys.stderr)
+            for line in skipped:
+                print(f"skipped {line}", file=sys.stderr)
             total = len(jobs) * args.reps
             written = 0
             n = 0
@@ -523,40 +585,47 @@ def run(args: argparse.Namespace) -> int:
                     if target.server is not None and written >= args.restart_every:
                         target.restart()
                         written = 0
-                    specs, urls = [], []
+                    specs: list[dict[str, Any]] = []
+                    urls: list[str] = []
                     for job in batch:
-                        url = f"{target.base_url}/r{rep}-{n + len(specs) + 1:03d}-{job.kind}-{job.contender}"
+                        url = (f"{target.base_url}/r{rep}-{n + len(specs) + 1:03d}-{job.kind}-"
+                               f"{job.contender}")
                         urls.append(url)
                         specs.append({
                             "kind": job.kind, "contender": job.contender, "profile": job.profile,
-                            "size": args.size, "pool": pool, "url": url,
+                            "size": sizes[job.profile], "pool": pool, "url": url,
                             "storage_options": target.storage_options(job.profile),
                             "part_size": args.part_size, "spool_dir": args.spool_dir,
                             "concurrency": args.raw_concurrency, "files": 2,
                             "timeout": timeout, **job.extra,
                         })
                     t0 = time.monotonic()
+                    prof = None
+                    if args.py_spy:
+                        os.makedirs(args.py_spy, exist_ok=True)
+                        j = batch[0]
+                        prof = os.path.join(args.py_spy,
+                                            f"{n + 1:03d}-{j.kind}-{j.contender}-{j.profile}.txt")
                     results = _run_worker(specs, target.env(batch[0].profile),
-                                          timeout * 2 * len(specs), workdir)
+                                          timeout * 2 * len(specs), workdir, prof)
                     elapsed = (time.monotonic() - t0) / len(specs)
                     for url in urls:
                         target.remove(url)
                         target.remove(url + "-warmup")
                     for job, res in zip(batch, results):
                         n += 1
-                        written += nbytes * (3 if job.kind in ("async",) else 1)
-                        record = {
-                            **common, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                            "kind": job.kind, "contender": job.contender, "profile": job.profile,
-                            "rep": rep, "server": target.description, "wall_s": round(elapsed, 2),
-                            **{k: v for k, v in job.extra.items()},
-                            **({"result": res["result"]} if "result" in res else
-                               {"error": res["error"], "traceback": res.get("traceback", "")}),
-                        }
-                        if "error" in res or res["result"].get("ok") is False:
-                            failures += 1
-                        records.append(record)
-                        sink.write(json.dumps(record) + "\n")
+                        written += nbytes[job.profile] * (3 if job.kind == "async" else 2)
+                        base = {**common, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                                "kind": job.kind, "contender": job.contender,
+                                "profile": job.profile, "rep": rep,
+                                "size_bytes": nbytes[job.profile],
+                                "server": target.description, "wall_s": round(elapsed, 2),
+                                **job.extra}
+                        for record in _records(base, res):
+                            if "error" in record or record["result"].get("ok") is False:
+                                failures += 1
+                            records.append(record)
+                            sink.write(json.dumps(record) + "\n")
                         sink.flush()
                         print(f"[{n}/{total}] rep {rep + 1} {job.label}: "
                               f"{_summary_line(job, res)} ({elapsed:.0f}s)", file=sys.stderr,

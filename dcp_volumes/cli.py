@@ -1117,6 +1117,19 @@ def _progress(
 
 Registrar = Callable[[Any, argparse.ArgumentParser], None]
 
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    from dcp_volumes import bench
+
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="benchmark save/load against torch's writers, s3torchconnector and raw uploads",
+        description=(bench.__doc__ or "").strip().splitlines()[0],
+    )
+    bench.add_arguments(p)
+    p.set_defaults(handler=bench.run)
+
+
 _SUBCOMMANDS: tuple[Registrar, ...] = (
     _add_ls,
     _add_latest,
@@ -1125,7 +1138,7 @@ _SUBCOMMANDS: tuple[Registrar, ...] = (
     _add_rm,
     _add_gc,
     _add_plan,
-    # _add_bench goes here (see the "bench" section above)
+    _add_bench,
 )
 
 
