@@ -17,6 +17,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import io
 import logging
 import os
 import queue
@@ -38,6 +39,42 @@ def _never(_: BaseException) -> bool:
     return False
 
 
+class _PartBody(io.RawIOBase):
+    """A seekable read-only view of a part's bytes for an HTTP request body.
+
+    botocore turns a ``bytes`` body into a ``BytesIO`` and aiohttp then copies it whole;
+    a file-like body is streamed in small reads instead, so a part is held once, not twice.
+    """
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._pos)
+        buffer[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
 # --------------------------------------------------------------------------------------
 # Sinks
 # --------------------------------------------------------------------------------------
@@ -52,6 +89,9 @@ class _Sink:
         self.path = backend.path(relative)
         self.url = backend.object_url(relative)
         self.stats = stats
+
+    async def prepare(self) -> None:
+        """Optional early set-up for a file expected to span several parts."""
 
     async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         raise NotImplementedError
@@ -80,28 +120,35 @@ class _S3Sink(_Sink):
         if part.number == 1 and part.final:
             self._single = True
             await self.backend.call(
-                lambda: s3.put_object(Bucket=self.bucket, Key=self.key, Body=data),
+                lambda: s3.put_object(Bucket=self.bucket, Key=self.key, Body=_PartBody(data)),
                 op="upload", url=self.url, stats=self.stats,
             )
             return
-        async with self._create_lock:
-            if self._upload_id is None:
-                resp = await self.backend.call(
-                    lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key),
-                    op="upload", url=self.url, stats=self.stats,
-                )
-                self._upload_id = resp["UploadId"]
+        await self.prepare()
         resp = await self.backend.call(
             lambda: s3.upload_part(
                 Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                PartNumber=part.number, Body=data,
+                PartNumber=part.number, Body=_PartBody(data),
             ),
             op="upload", url=self.url, stats=self.stats,
         )
         self._etags[part.number] = resp["ETag"]
 
+    async def prepare(self) -> None:
+        """Start the multipart upload (once); called early for files known to be large."""
+        async with self._create_lock:
+            if self._upload_id is None:
+                s3 = await self._client()
+                resp = await self.backend.call(
+                    lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key),
+                    op="upload", url=self.url, stats=self.stats,
+                )
+                self._upload_id = resp["UploadId"]
+
     async def complete(self, nparts: int) -> None:
         if self._single:
+            if self._upload_id is not None:  # started early, but the file fit in one part
+                await self.abort_upload()
             return
         s3 = await self._client()
         parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, nparts + 1)]
@@ -114,16 +161,19 @@ class _S3Sink(_Sink):
         )
         self._upload_id = None
 
+    async def abort_upload(self) -> None:
+        if self._upload_id is not None:
+            s3 = await self._client()
+            upload_id, self._upload_id = self._upload_id, None
+            await self.backend.call(
+                lambda: s3.abort_multipart_upload(
+                    Bucket=self.bucket, Key=self.key, UploadId=upload_id),
+                op="abort", url=self.url,
+            )
+
     async def abort(self) -> None:
         try:
-            s3 = await self._client()
-            if self._upload_id is not None:
-                upload_id, self._upload_id = self._upload_id, None
-                await self.backend.call(
-                    lambda: s3.abort_multipart_upload(
-                        Bucket=self.bucket, Key=self.key, UploadId=upload_id),
-                    op="abort", url=self.url,
-                )
+            await self.abort_upload()
             await self.backend.remove([self.relative])
         except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
             logger.warning("could not clean up %s after a failed save: %s", self.url,
@@ -287,7 +337,7 @@ def make_sink(backend: Backend, relative: str, stats: CallStats, part_size: int)
 class FileUpload:
     """The upload of one shard file, fed part by part from the spool thread."""
 
-    def __init__(self, uploader: Uploader, relative: str, spool: SpoolFile) -> None:
+    def __init__(self, uploader: Uploader, relative: str, spool: SpoolFile | None) -> None:
         self.uploader = uploader
         self.relative = relative
         self.spool = spool
@@ -318,7 +368,9 @@ class FileUpload:
             if up.failed:
                 return
             async with up.semaphore:
-                data = await asyncio.to_thread(self.spool.read, part)
+                spool = self.spool
+                assert spool is not None, "FileUpload.spool is set before parts arrive"
+                data = await asyncio.to_thread(spool.read, part)
                 await self.sink.put_part(part, data)
                 up.add_bytes(part.length)
         except BaseException as exc:
@@ -334,6 +386,7 @@ class FileUpload:
     def finish(self) -> None:
         """Schedule completion once every part is uploaded (called after spool close)."""
         parts = list(self._parts)
+        assert self.spool is not None
         nparts = self.spool.parts
 
         async def _complete() -> None:
@@ -380,9 +433,14 @@ class Uploader:
         if self._failure is not None:
             raise self._failure
 
-    def start_file(self, relative: str, spool: SpoolFile) -> FileUpload:
+    def start_file(self, relative: str, spool: SpoolFile | None, *,
+                   expected_size: int = 0) -> FileUpload:
         upload = FileUpload(self, relative, spool)
         self.files.append(upload)
+        if expected_size > self.part_size:
+            # Overlap the multipart set-up request with serializing the first part.
+            upload._parts.append(asyncio.run_coroutine_threadsafe(upload.sink.prepare(),
+                                                                  self.loop))
         return upload
 
     def wait(self) -> None:

@@ -6,6 +6,7 @@ and commit live in their own modules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -13,6 +14,7 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any, cast
 
 import torch
@@ -89,6 +91,35 @@ def _split_by_size(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
         buckets[idx].append(item)
         sizes[idx] += _item_nbytes(item)
     return [b for b in buckets if b]
+
+
+_zip_crc_lock = threading.Lock()
+_zip_crc_users = 0
+
+
+@contextlib.contextmanager
+def _without_torch_zip_crc() -> Iterator[None]:
+    """Skip torch.save's own zip CRC32 while we serialize: every item already gets a
+    CRC32C from the spool, and torch's readers do not check the zip CRC. (A process-wide
+    torch setting: restored when the last concurrent save in this process ends.)"""
+    global _zip_crc_users
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:
+        yield
+        return
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _without_torch_zip_crc.previous = get()  # type: ignore[attr-defined]
+        _zip_crc_users += 1
+        set_(False)
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                set_(_without_torch_zip_crc.previous)  # type: ignore[attr-defined]
 
 
 def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
@@ -254,18 +285,20 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         total = 0
         spool_end = start
         try:
-            for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
-                relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
-                upload = uploader.start_file(relative, None)  # type: ignore[arg-type]
-                sf = SpoolFile(relative, mode=spool.mode, directory=directory,
-                               part_size=transfer.part_size, emit=upload.submit,
-                               buffer_slots=slots, should_stop=uploader.raise_if_failed)
-                upload.spool = sf
-                spools.append(sf)
-                for item in bucket:
-                    results.append(self._write_item(sf, item, planner, relative))
-                total += sf.close()
-                upload.finish()
+            with _without_torch_zip_crc():
+                for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
+                    relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
+                    upload = uploader.start_file(relative, None,
+                                                 expected_size=sum(map(_item_nbytes, bucket)))
+                    sf = SpoolFile(relative, mode=spool.mode, directory=directory,
+                                   part_size=transfer.part_size, emit=upload.submit,
+                                   buffer_slots=slots, should_stop=uploader.raise_if_failed)
+                    upload.spool = sf
+                    spools.append(sf)
+                    for item in bucket:
+                        results.append(self._write_item(sf, item, planner, relative))
+                    total += sf.close()
+                    upload.finish()
             spool_end = time.monotonic()
             uploader.wait()
         except BaseException:
