@@ -396,7 +396,7 @@ def checkpoint_cost_from_bench(
         v
         for rec in records
         if contender is None or rec.get("contender") == contender
-        if (v := _bench_value(rec.get(metric))) is not None
+        if (v := _bench_value(_metric_of(rec, metric))) is not None
     ]
     if not values:
         raise ConfigError(_no_match_message(p, records, metric=metric, contender=contender))
@@ -407,6 +407,14 @@ def checkpoint_cost_from_bench(
         contender=contender,
         path=str(p),
     )
+
+
+def _metric_of(rec: Mapping[str, Any], metric: str) -> Any:
+    """A metric from a bench line: top level, or under ``result`` (``dcp-volumes bench``)."""
+    if metric in rec:
+        return rec[metric]
+    result = rec.get("result")
+    return result.get(metric) if isinstance(result, Mapping) else None
 
 
 def _json_objects(lines: Iterable[str]) -> Iterable[Mapping[str, Any]]:
@@ -444,7 +452,7 @@ def _no_match_message(
         )
     other = "save_s" if metric == "async_block_s" else "async_block_s"
     hint = ""
-    if any(_bench_value(r.get(other)) is not None for r in records):
+    if any(_bench_value(_metric_of(r, other)) is not None for r in records):
         switch = (
             "drop --async (use_async=False)"
             if other == "save_s"

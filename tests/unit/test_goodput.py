@@ -435,6 +435,18 @@ def test_bench_median(
     assert str(bench_file) in cost.describe()
 
 
+def test_bench_reads_dcp_volumes_bench_lines(tmp_path: Path) -> None:
+    """`dcp-volumes bench` nests its figures under "result"."""
+    path = tmp_path / "results.jsonl"
+    lines = [
+        {"kind": "save_load", "contender": "vol-disk-c8", "result": {"save_s": s}}
+        for s in (4.0, 6.0, 5.0)
+    ] + [{"kind": "async", "contender": "vol-disk-c8", "result": {"async_block_s": 0.05}}]
+    path.write_text("\n".join(json.dumps(x) for x in lines), encoding="utf-8")
+    assert checkpoint_cost_from_bench(path, contender="vol-disk-c8").seconds == 5.0
+    assert checkpoint_cost_from_bench(path, use_async=True).seconds == 0.05
+
+
 @pytest.mark.parametrize(
     ("content", "kwargs", "match"),
     [
