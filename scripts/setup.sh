@@ -7,7 +7,7 @@ cd "${REPO_ROOT}"
 PY="${PYTHON:-python3}"
 VENV="${REPO_ROOT}/.venv"
 STAMP="${VENV}/.dcpv-setup-stamp"
-want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+want="$(sha256sum pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
 if [[ ! -x "${VENV}/bin/python" ]]; then
     "${PY}" -m venv "${VENV}"
@@ -17,7 +17,9 @@ if [[ -f "${STAMP}" && "$(cat "${STAMP}")" == "${want}" ]]; then
 else
     # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
     "${VENV}/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
-    "${VENV}/bin/pip" install --quiet --disable-pip-version-check -e ".[all,test,bench]"
+    # constraints.txt pins what the suite was last run with: fast, reproducible resolution.
+    "${VENV}/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
+        -e ".[all,test,bench]"
     echo "${want}" > "${STAMP}"
     echo "setup: installed dcp_volumes and its extras into .venv"
 fi
