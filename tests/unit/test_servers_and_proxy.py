@@ -134,14 +134,21 @@ def test_server_config_shape(server: srv.LocalServer) -> None:
 def test_server_listens_on_loopback_only(server: srv.LocalServer) -> None:
     psutil = pytest.importorskip("psutil")
     assert server.pid is not None
-    listening = [
-        c.laddr
-        for c in psutil.Process(server.pid).net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    ]
-    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+
+    def listening() -> list:
+        return [
+            c.laddr
+            for c in psutil.Process(server.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+
     if isinstance(server, srv.SeaweedFSServer):
-        assert {addr.port for addr in listening} >= set(server.ports.values())
+        # weed mini answers on S3 before its other components (admin, workers) listen.
+        want = set(server.ports.values())
+        srv.wait_until(lambda: {a.port for a in listening()} >= want, 20.0,
+                       "every SeaweedFS component listening")
+    addrs = listening()
+    assert addrs and all(addr.ip == "127.0.0.1" for addr in addrs), addrs
 
 
 def test_moto_lifecycle_reset_and_restart() -> None:
