@@ -172,9 +172,8 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if status is not None and (status == 429 or status == 408 or status >= 500):
         return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE):
-        return True
-    return False
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT,
+                                                        errno.EPIPE)
 
 
 def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolumesError:
@@ -434,45 +433,32 @@ class Backend:
         self.fs.invalidate_cache(self.root)
 
     async def check_bucket(self) -> None:
-        """Fail fast (before any byte moves) on a missing bucket or refused credentials."""
-        if self.kind not in ("s3", "gcs", "azure"):
-            if await self._is_file(self.root):
-                raise errors.ConfigError(
-                    f"{redact_url(self.url)} is a file, not a directory: choose a directory path"
-                )
-            return
-        bucket = self.root.split("/", 1)[0]
+        """Fail fast (before any byte moves) on a missing bucket, refused credentials, or a
+        checkpoint path that is an existing file/object."""
+        if self.kind in ("s3", "gcs", "azure"):
+            bucket = self.root.split("/", 1)[0]
+            try:
+                await self.call(lambda: self.fs_call("ls", self.root, detail=False), op="list",
+                                url=self.url)
+            except errors.ObjectNotFoundError:
+                # An empty prefix is fine; the bucket itself must exist.
+                self.fs.invalidate_cache(bucket)
+                if not await self.call(lambda: self.fs_call("exists", bucket), op="list",
+                                       url=self.url):
+                    raise errors.BucketNotFoundError(
+                        f"bucket/container {bucket!r} of {redact_url(self.url)} does not exist: "
+                        "create it or fix the URL"
+                    ) from None
         try:
-            await self.call(lambda: self.fs_call("ls", self.root, detail=False), op="list",
-                            url=self.url)
+            info = await self.call(lambda: self.fs_call("info", self.root), op="list",
+                                   url=self.url)
         except errors.ObjectNotFoundError:
-            # The prefix is empty, which is fine; the bucket itself must exist.
-            self.fs.invalidate_cache(bucket)
-            if not await self.fs_call("exists", bucket):
-                raise errors.BucketNotFoundError(
-                    f"bucket/container {bucket!r} of {redact_url(self.url)} does not exist: "
-                    "create it or fix the URL"
-                ) from None
-        try:
-            await self.fs_call("info", self.root)
-        except (FileNotFoundError, errors.ObjectNotFoundError):
-            pass
-        except Exception as exc:
-            err = translate_error(exc, url=self.url, op="list")
-            if not isinstance(err, errors.ObjectNotFoundError):
-                raise err from exc
-        else:
-            if await self._is_file(self.root):
-                raise errors.ConfigError(
-                    f"{redact_url(self.url)} is an object, not a prefix: choose a directory-like path"
-                )
-
-    async def _is_file(self, path: str) -> bool:
-        try:
-            info = await self.fs_call("info", path)
-        except Exception:  # noqa: BLE001
-            return False
-        return info.get("type") == "file"
+            return
+        if info.get("type") == "file":
+            raise errors.ConfigError(
+                f"{redact_url(self.url)} is a file/object, not a directory: choose a "
+                "directory-like path"
+            )
 
 
 def _parse_scheme(url: str) -> tuple[str, str]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from dcp_volumes import errors
+from dcp_volumes import _layout, errors
 from dcp_volumes._fs import Backend, CallStats, redact_url
 from dcp_volumes._layout import METADATA, check_relative_path
 
@@ -81,6 +81,7 @@ class Manifest:
     world_size: int
     created: float = field(default_factory=time.time)
     files: dict[str, FileEntry] = field(default_factory=dict)
+    torch: str = field(default_factory=lambda: torch.__version__)
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -88,7 +89,7 @@ class Manifest:
                 "format": FORMAT_VERSION,
                 "save_id": self.save_id,
                 "writer": self.writer,
-                "torch": torch.__version__,
+                "torch": self.torch,
                 "world_size": self.world_size,
                 "created": self.created,
                 "files": {
@@ -116,7 +117,8 @@ class Manifest:
                 files[name] = FileEntry(size=int(entry["size"]), items=items)
             return cls(save_id=str(doc["save_id"]), writer=str(doc.get("writer", "?")),
                        world_size=int(doc.get("world_size", 0)),
-                       created=float(doc.get("created", 0.0)), files=files)
+                       created=float(doc.get("created", 0.0)), files=files,
+                       torch=str(doc.get("torch", "")))
         except errors.DCPVolumesError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -196,6 +198,40 @@ def load_metadata(data: bytes, *, where: str) -> Metadata:
 def metadata_save_id(metadata: Metadata) -> str | None:
     meta = getattr(metadata, "storage_meta", None)
     return getattr(meta, "save_id", None) if meta is not None else None
+
+
+def volume_save_id(metadata: Metadata) -> str | None:
+    """The save id when VolumeWriter wrote this checkpoint (so a manifest must exist)."""
+    save_id = metadata_save_id(metadata)
+    if not _layout.is_save_id(save_id):
+        return None
+    paths = (info.relative_path for info in metadata.storage_data.values())
+    return save_id if any(_layout.save_id_of(p) == save_id for p in paths) else None
+
+
+async def read_manifest(backend: Backend, metadata: Metadata) -> Manifest | None:
+    """The manifest of the save ``metadata`` commits; None for torch-written checkpoints.
+
+    Raises:
+        IntegrityError: VolumeWriter wrote the checkpoint but its manifest is missing,
+            unreadable, or belongs to another save.
+    """
+    save_id = volume_save_id(metadata)
+    if save_id is None:
+        return None
+    name = _layout.manifest_name(save_id)
+    try:
+        data = await backend.cat(name, op="read")
+    except errors.ObjectNotFoundError:
+        raise errors.IntegrityError(
+            f"{redact_url(backend.url)} was written by VolumeWriter but its manifest {name} is "
+            "missing: the checkpoint was modified; pass verify=False to load it unverified"
+        ) from None
+    manifest = Manifest.from_json(data, where=backend.object_url(name))
+    if manifest.save_id != save_id:
+        raise errors.IntegrityError(
+            f"manifest {name} belongs to save {manifest.save_id}, not {save_id}")
+    return manifest
 
 
 def set_save_id(metadata: Metadata, save_id: str, checkpoint_url: str) -> None:

@@ -101,7 +101,12 @@ class SpoolFile:
         self._pos = 0
         self._emitted = 0  # bytes handed out as parts
         self._next_part = 1
-        self.begin_item()
+        self._item_start = 0
+        self._item_crc = 0
+        self._data_bytes = 0
+        self._block_size = 0
+        self._data_off: int | None = None
+        self._block_crcs: list[int] = []
         self._closed = False
         self.path: str | None = None
         self._fd = -1
@@ -158,8 +163,8 @@ class SpoolFile:
         self._item_crc = 0
         self._data_bytes = data_bytes
         self._block_size = block_size
-        self._data_off: int | None = None
-        self._block_crcs: list[int] = []
+        self._data_off = None
+        self._block_crcs = []
 
     def end_item(self) -> tuple[int, int, int, DataLayout | None]:
         """(offset, length, crc32c, data layout or None) of the item since :meth:`begin_item`."""

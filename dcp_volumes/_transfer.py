@@ -450,24 +450,19 @@ class Uploader:
                 raise errors.UploadError(f"internal error: {f.relative} was never finished")
             try:
                 f.done.result()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 — recorded, re-raised below
                 self.fail(exc)
         self.raise_if_failed()
 
     def abort(self) -> None:
         """Cancel what is pending and remove what was uploaded (best effort)."""
         self.fail(errors.UploadError("save aborted"))
+        # Let in-flight requests end (they see the failure and stop) before undoing them;
+        # their own errors were recorded by fail() already.
         for f in self.files:
-            for p in f._parts:
-                try:
-                    p.result(timeout=600)
-                except BaseException:  # noqa: BLE001 — already recorded
-                    pass
-            if f.done is not None:
-                try:
-                    f.done.result(timeout=600)
-                except BaseException:  # noqa: BLE001
-                    pass
+            for fut in [*f._parts, *([f.done] if f.done is not None else [])]:
+                with contextlib.suppress(BaseException):
+                    fut.result(timeout=600)
 
         async def _abort_all() -> None:
             await asyncio.gather(*(f.sink.abort() for f in self.files), return_exceptions=True)
@@ -511,17 +506,17 @@ def fetch_ranges(
     ``chunk_size`` (one large item) is fetched as parallel GETs of ``chunk_size``.
     """
     results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
-    slots_holder: dict[str, asyncio.Semaphore] = {}
     cancel = threading.Event()
+    inflight = backend.run(lambda: _make_semaphore(max_concurrency))
+    slots = backend.run(lambda: _make_semaphore(2 * max_concurrency))
 
-    async def _one(req: RangeRequest, inflight: asyncio.Semaphore,
-                   slots: asyncio.Semaphore) -> None:
+    async def _one(req: RangeRequest) -> None:
         await slots.acquire()
         if cancel.is_set():
             slots.release()
             return
         try:
-            data = await _fetch_one(req, inflight)
+            data = await _fetch_one(req)
             results.put((req, data))
         except BaseException as exc:  # noqa: BLE001 — handed to the consumer
             slots.release()
@@ -529,18 +524,17 @@ def fetch_ranges(
                 exc = on_missing(req, exc)
             results.put((None, exc))
 
-    async def _get(req: RangeRequest, start: int, end: int,
-                   inflight: asyncio.Semaphore) -> bytes:
+    async def _get(req: RangeRequest, start: int, end: int) -> bytes:
         async with inflight:
             return await backend.cat(req.relative, start=start, end=end, stats=stats)
 
-    async def _fetch_one(req: RangeRequest, inflight: asyncio.Semaphore) -> bytes | bytearray:
+    async def _fetch_one(req: RangeRequest) -> bytes | bytearray:
         size = req.end - req.start
         if size <= chunk_size:
-            return await _get(req, req.start, req.end, inflight)
+            return await _get(req, req.start, req.end)
         # One large item: parallel ranged GETs of chunk_size, assembled in place.
         bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
-        chunks = await asyncio.gather(*(_get(req, a, b, inflight) for a, b in bounds))
+        chunks = await asyncio.gather(*(_get(req, a, b) for a, b in bounds))
         out = bytearray(sum(len(c) for c in chunks))
         pos = 0
         for chunk in chunks:
@@ -549,10 +543,7 @@ def fetch_ranges(
         return out
 
     async def _all() -> None:
-        inflight = asyncio.Semaphore(max_concurrency)
-        slots = asyncio.Semaphore(2 * max_concurrency)
-        slots_holder["s"] = slots
-        await asyncio.gather(*(_one(r, inflight, slots) for r in ranges))
+        await asyncio.gather(*(_one(r) for r in ranges))
 
     done = asyncio.run_coroutine_threadsafe(_all(), backend.loop)
     try:
@@ -563,16 +554,14 @@ def fetch_ranges(
             try:
                 yield req, payload
             finally:
-                backend.loop.call_soon_threadsafe(slots_holder["s"].release)
+                backend.loop.call_soon_threadsafe(slots.release)
         done.result()
     finally:
         if not done.done():
+            # Stopped early (an error, or the consumer gave up): wake every waiting fetch so
+            # it sees `cancel` and returns; the first error was already raised.
             cancel.set()
-            slots = slots_holder.get("s")
-            if slots is not None:
-                for _ in range(len(ranges)):
-                    backend.loop.call_soon_threadsafe(slots.release)
-            try:
+            for _ in range(len(ranges)):
+                backend.loop.call_soon_threadsafe(slots.release)
+            with contextlib.suppress(BaseException):
                 done.result(timeout=120)
-            except BaseException:  # noqa: BLE001 — the first error was already raised
-                pass

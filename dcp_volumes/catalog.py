@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import functools
-import json
 import logging
 import os
 import re
@@ -555,38 +554,23 @@ class _Loaded:
 def _load(backend: Backend) -> _Loaded:
     data = backend.run(lambda: _read_metadata_bytes(backend))
     # Only now import torch (unpickling needs it): "not found" answers stay fast.
-    from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
+    from dcp_volumes._manifest import (
+        load_metadata,
+        metadata_save_id,
+        read_manifest,
+        volume_save_id,
+    )
 
     metadata = load_metadata(data, where=backend.object_url(_layout.METADATA))
-    save_id = metadata_save_id(metadata)
-    paths = {info.relative_path for info in metadata.storage_data.values()}
-    ours = _layout.is_save_id(save_id) and any(_layout.save_id_of(p) == save_id for p in paths)
-    if not ours:
-        return _Loaded(metadata, save_id, False, None, None)
-    name = _layout.manifest_name(save_id)  # type: ignore[arg-type]
+    save_id = volume_save_id(metadata)
+    if save_id is None:
+        return _Loaded(metadata, metadata_save_id(metadata), False, None, None)
     try:
-        raw = backend.run(lambda: backend.cat(name, op="read"))
-    except errors.ObjectNotFoundError:
-        return _Loaded(metadata, save_id, True, None, f"manifest {name} is missing")
-    try:
-        manifest = Manifest.from_json(raw, where=backend.object_url(name))
+        manifest = backend.run(lambda: read_manifest(backend, metadata))
     except errors.IntegrityError as exc:
         return _Loaded(metadata, save_id, True, None, str(exc))
-    if manifest.save_id != save_id:
-        return _Loaded(
-            metadata,
-            save_id,
-            True,
-            None,
-            f"manifest {name} belongs to save {manifest.save_id}, not {save_id}",
-        )
-    try:
-        torch_version = json.loads(raw).get("torch")
-    except ValueError:
-        torch_version = None
-    return _Loaded(
-        metadata, save_id, True, manifest, None, str(torch_version) if torch_version else None
-    )
+    return _Loaded(metadata, save_id, True, manifest, None, (manifest.torch or None)
+                   if manifest is not None else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -671,13 +655,6 @@ async def _size_of(backend: Backend, name: str) -> int | None:
     return int(info.get("size") or 0)
 
 
-def _length_and_crc(entry: Any) -> tuple[int, int]:
-    """An item's (length, whole-item CRC32C) from a manifest entry (object or legacy pair)."""
-    if isinstance(entry, tuple):
-        return int(entry[0]), int(entry[1])
-    return int(entry.length), int(entry.crc)
-
-
 async def _verify_file(
     backend: Backend,
     name: str,
@@ -696,8 +673,7 @@ async def _verify_file(
         return FileReport(name, "size mismatch", size, actual), 0
     spans: list[tuple[int, int, int]] = []  # (start, end, crc), sorted, not overlapping
     for off, entry in sorted(items.items()):
-        length, crc = _length_and_crc(entry)
-        spans.append((off, off + length, crc))
+        spans.append((off, off + entry.length, entry.crc))
     running = {off: 0 for off, _, _ in spans}
     pos = read = first = 0
     while pos < size:  # stream the file once, in ranged reads

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, cast
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, Location, redact_url
-from dcp_volumes._manifest import Manifest, load_metadata, metadata_save_id
+from dcp_volumes._fs import CallStats, Location, redact_url
+from dcp_volumes._manifest import Manifest, load_metadata, read_manifest
 from dcp_volumes._readplan import apply_need, check_need, describe, plan_needs, plan_ranges
 from dcp_volumes._stats import LoadStats
 from dcp_volumes._transfer import RangeRequest, fetch_ranges
@@ -103,34 +103,16 @@ class VolumeReader(Location, StorageReader):
                 f"no checkpoint at {redact_url(self._url)}: check the URL and storage_options"
             )
         metadata = load_metadata(data, where=where)
-        self._manifest = self._read_manifest(backend, metadata) if self.verify else None
+        self._manifest = None
+        if self.verify:
+            self._manifest = backend.run(lambda: read_manifest(backend, metadata))
+            if self._manifest is None:
+                logger.debug("%s was not written by VolumeWriter (no manifest): checksums are "
+                             "not verified", redact_url(self._url))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = _layout.new_save_id()
         return metadata
-
-    def _read_manifest(self, backend: Backend, metadata: Metadata) -> Manifest | None:
-        save_id = metadata_save_id(metadata)
-        paths = {info.relative_path for info in metadata.storage_data.values()}
-        ours = _layout.is_save_id(save_id) and any(
-            _layout.save_id_of(p) == save_id for p in paths)
-        if not ours:
-            logger.debug("%s was not written by VolumeWriter (no manifest): checksums are not "
-                         "verified", redact_url(self._url))
-            return None
-        name = _layout.manifest_name(cast(str, save_id))
-        try:
-            data = backend.run(lambda: backend.cat(name, op="read"))
-        except errors.ObjectNotFoundError:
-            raise errors.IntegrityError(
-                f"{redact_url(self._url)} was written by VolumeWriter but its manifest {name} is "
-                "missing: the checkpoint was modified; pass verify=False to load it unverified"
-            ) from None
-        manifest = Manifest.from_json(data, where=backend.object_url(name))
-        if manifest.save_id != save_id:
-            raise errors.IntegrityError(f"manifest {name} belongs to save {manifest.save_id}, "
-                                        f"not {save_id}")
-        return manifest
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -182,7 +182,6 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                  ("transfer", self.transfer, TransferOptions)):
             if not isinstance(value, cls):
                 raise errors.ConfigError(f"{name}= must be a {cls.__name__}, got {type(value).__name__}")
-        self._is_coordinator = False
         self._rank = 0
         self._save_id: str | None = None
         self.last_stats: SaveStats | None = None
@@ -222,7 +221,6 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         self._save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._is_coordinator = is_coordinator
         self._rank = int(kwargs.get("rank", 0) or 0)
         self.last_stats = None
 

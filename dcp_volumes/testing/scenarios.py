@@ -10,7 +10,7 @@ The state is deterministic, so any rank count can rebuild what it must read back
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,7 @@ def async_save_on_ranks(rank: int, world_size: int, url: str, writer_kwargs: dic
     start = time.monotonic()
     response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
     blocked = time.monotonic() - start
-    future = getattr(response, "upload_completion", response)
+    future = cast(Any, getattr(response, "upload_completion", response))
     steps = 0
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import fsspec
 import pytest
@@ -185,7 +185,7 @@ class CheckpointStoreTests:
     def test_round_trip_mixed_state(self, store: Store, mode: str) -> None:
         url = store.url()
         state = mixed_state()
-        writer = _save(state, url, store, spool=SpoolOptions(mode=mode))
+        writer = _save(state, url, store, spool=SpoolOptions(mode=cast(Any, mode)))
         assert writer.last_stats is not None and writer.last_stats.parts >= 3
         out = zeros_like_state(state)
         reader = _load(out, url, store)
