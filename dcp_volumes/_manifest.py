@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, redact_url
+from dcp_volumes._fs import Backend, CallStats, redact_url, s3_checksum
 from dcp_volumes._layout import METADATA, check_relative_path
 
 __all__ = ["FileEntry", "ItemEntry", "Manifest", "commit_metadata", "load_metadata"]
@@ -289,7 +289,7 @@ async def _commit_s3(backend: Backend, data: bytes, *, exclusive: bool) -> None:
     kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
     # Raw client: SeaweedFS answers a failed If-None-Match without the field s3fs needs to
     # raise FileExistsError; the HTTP 412 is visible here and translated in one place.
-    await s3.put_object(Bucket=bucket, Key=key, Body=data, **kwargs)
+    await s3.put_object(Bucket=bucket, Key=key, Body=data, **kwargs, **s3_checksum(data))
 
 
 async def _commit_generic(backend: Backend, data: bytes, *, exclusive: bool) -> None:

@@ -25,6 +25,9 @@ Actions (one per request: the first rule that matches and still has injections l
                       half the ``Content-Length``), then close.
 ``fail_after_bytes``  forward the head and ``nbytes`` bytes of the request body (as on the wire,
                       chunk framing included), then close with a TCP RST.
+``corrupt``           forward the request with one byte of its body flipped (the byte at
+                      payload offset ``nbytes``, default the middle of the body), as a bad NIC or
+                      middlebox would; the upstream's answer goes back as it is.
 
 A :class:`NetworkProfile` (for benchmarks) adds a first-byte delay to every response and caps
 each connection's bandwidth with a token bucket, separately in each direction. Both are off by
@@ -81,8 +84,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FaultAction = Literal["status", "reset", "delay", "truncate", "fail_after_bytes"]
-_ACTIONS: frozenset[str] = frozenset(("status", "reset", "delay", "truncate", "fail_after_bytes"))
+FaultAction = Literal["status", "reset", "delay", "truncate", "fail_after_bytes", "corrupt"]
+_ACTIONS: frozenset[str] = frozenset(
+    ("status", "reset", "delay", "truncate", "fail_after_bytes", "corrupt")
+)
 
 S3_SLOWDOWN_XML = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -122,7 +127,7 @@ class FaultRule:
 
     Args:
         action: One of ``"status"``, ``"reset"``, ``"delay"``, ``"truncate"``,
-            ``"fail_after_bytes"`` (see the module docstring).
+            ``"fail_after_bytes"``, ``"corrupt"`` (see the module docstring).
         method: HTTP method to match (case-insensitive); ``None`` matches any.
         path_regex: Regular expression searched in the request target (path and query
             string, e.g. ``/bucket/key?partNumber=2&uploadId=...``); ``None`` matches any.
@@ -136,7 +141,8 @@ class FaultRule:
             body when not given).
         delay_s: Seconds to wait for ``"delay"``.
         nbytes: Byte count for ``"truncate"`` (response body bytes sent before closing) and
-            ``"fail_after_bytes"`` (request body bytes forwarded before closing; required).
+            ``"fail_after_bytes"`` (request body bytes forwarded before closing; required), and
+            ``"corrupt"`` (payload offset of the flipped byte; default the middle).
         name: Label for logs and :class:`RuleStats`.
     """
 
@@ -409,13 +415,22 @@ class _Sink:
         writer: asyncio.StreamWriter | None,
         bucket: _TokenBucket | None = None,
         limit: int | None = None,
+        flip_at: int | None = None,
     ) -> None:
         self.writer = writer
         self.bucket = bucket
         self.limit = limit
+        self.flip_at = flip_at  # payload offset of the byte to corrupt (chunk framing excluded)
         self.sent = 0
+        self.payload_sent = 0
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
+    async def send(self, data: bytes | bytearray | memoryview, *, payload: bool = True) -> None:
+        if payload:
+            at = None if self.flip_at is None else self.flip_at - self.payload_sent
+            self.payload_sent += len(data)
+            if at is not None and 0 <= at < len(data):
+                data = bytearray(data)
+                data[at] ^= 0xFF
         cut = False
         if self.limit is not None and self.sent + len(data) > self.limit:
             data = memoryview(data)[: self.limit - self.sent]
@@ -475,14 +490,15 @@ async def _relay_chunked(reader: asyncio.StreamReader, sink: _Sink) -> None:
             size = int(line.split(b";", 1)[0].strip(), 16)
         except ValueError as exc:
             raise _ProtocolError(f"bad chunk size line {line[:40]!r}") from exc
-        await sink.send(line)
+        await sink.send(line, payload=False)
         if size == 0:
             while True:  # trailers, then the final CRLF
                 trailer = await reader.readuntil(b"\r\n")
-                await sink.send(trailer)
+                await sink.send(trailer, payload=False)
                 if trailer == b"\r\n":
                     return
-        await _relay_exact(reader, sink, size + 2)
+        await _relay_exact(reader, sink, size)
+        await sink.send(await reader.readexactly(2), payload=False)
 
 
 async def _relay_body(reader: asyncio.StreamReader, sink: _Sink, framing: str, length: int) -> None:
@@ -863,9 +879,12 @@ class _Connection:
             return False
         uwriter.write(req.serialize(drop=frozenset((b"expect",))))
         limit = rule.nbytes if rule is not None and action == "fail_after_bytes" else None
+        flip_at = None
+        if rule is not None and action == "corrupt":
+            flip_at = rule.nbytes if rule.nbytes is not None else length // 2
         try:
             await _relay_body(
-                self.creader, _Sink(uwriter, self._bucket("up"), limit), framing, length
+                self.creader, _Sink(uwriter, self._bucket("up"), limit, flip_at), framing, length
             )
         except _Cut:
             _abort(self.cwriter, rst=True)

@@ -151,6 +151,9 @@ class CheckpointStoreTests:
         retries_visible: transient errors reach dcp_volumes' retry loop (and so its
             figures); False where the client retries inside its own streaming writer.
         multipart_listing: stale multipart uploads can be listed (S3).
+        verifies_upload_checksums: the store checks the CRC32C each upload request carries
+            and refuses a body damaged in transit (so the writer resends it); elsewhere the
+            damage is stored and caught by the reader's own CRC32C on load.
         persistent_fault_timeout_s: how long a save may take to give up on a dead store.
     """
 
@@ -158,6 +161,7 @@ class CheckpointStoreTests:
     conditional_create: bool = True
     retries_visible: bool = True
     multipart_listing: bool = False
+    verifies_upload_checksums: bool = False
     persistent_fault_timeout_s: float = 60.0
 
     @pytest.fixture
@@ -347,6 +351,29 @@ class CheckpointStoreTests:
             assert writer.last_stats is not None and reader.last_stats is not None
             assert writer.last_stats.retries + reader.last_stats.retries >= 3, (
                 writer.last_stats, reader.last_stats, per_rule)
+
+    def test_upload_damaged_in_transit_never_loads(self, store: Store) -> None:
+        from dcp_volumes.testing.faultproxy import FaultRule
+
+        with self._proxy(store) as (opts, proxy):
+            rule = proxy.add_rule(FaultRule(action="corrupt", times=1, name="flipped byte",
+                                            **_data_write_matcher(store)))
+            state = {"w": torch.randn(3 * MiB)}  # 12 MiB: several parts
+            url = store.url()
+            writer = _save(state, url, store, storage_options=opts, retry=FAST_RETRY,
+                           spool=SpoolOptions(files_per_rank=1))
+            assert proxy.stats.rule(rule).injected == 1
+        out = {"w": torch.zeros(3 * MiB)}
+        if self.verifies_upload_checksums:
+            _load(out, url, store)
+            assert_state_equal(out, state)
+            assert writer.last_stats is not None and writer.last_stats.retries >= 1
+        else:
+            with pytest.raises(CheckpointException) as info:
+                _load(out, url, store)
+            (err,) = failures_of(info.value)
+            assert isinstance(err, errors.IntegrityError), err
+            assert "checksum mismatch" in str(err)
 
     # ---- 7. persistent fault -------------------------------------------------------------
     def test_persistent_fault_fails_cleanly(self, store: Store) -> None:
@@ -584,6 +611,13 @@ def _write_matcher(store: Store, name_regex: str = "") -> dict[str, Any]:
     if store.root.startswith(("gs", "gcs")):
         return {"path_regex": "/upload/" + (f".*{name_regex}" if name_regex else "")}
     return {"method": "PUT", **({"path_regex": name_regex} if name_regex else {})}
+
+
+def _data_write_matcher(store: Store) -> dict[str, Any]:
+    """FaultRule fields matching only the requests that carry shard bytes."""
+    if store.root.startswith(("gs", "gcs")):
+        return {"path_regex": "upload_id="}
+    return {"method": "PUT", "path_regex": r"\.distcp"}
 
 
 def _busy_body(store: Store, status: int = 503) -> bytes:

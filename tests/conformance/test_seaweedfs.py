@@ -11,6 +11,7 @@ pytestmark = pytest.mark.xdist_group("seaweedfs")
 
 class TestSeaweedFS(CheckpointStoreTests):
     multipart_listing = True
+    verifies_upload_checksums = True
 
     @pytest.fixture
     def store(self, seaweedfs) -> Store:
