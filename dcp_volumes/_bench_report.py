@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dcp_volumes.config import TransferOptions
+
 __all__ = ["read_jsonl", "render_markdown", "targets", "write_report"]
 
 MiB = 1 << 20
@@ -171,7 +173,7 @@ class Target:
     passed: bool | None
 
 
-DEFAULT_VOL = "vol-disk-c8"
+DEFAULT_VOL = "vol-disk"
 
 
 def _parse_conc(contender: str) -> int | None:
@@ -240,7 +242,9 @@ def targets(records: list[Record]) -> list[Target]:
                     f"reader's own figure (÷ stored items needed): {_fx(_med(reader))}",
                     logical.med, "≤ 1.1", lambda x: x <= 1.1)
     for r in rows:
-        conc = _parse_conc(r.contender) if r.contender.startswith("vol-") else None
+        conc = None
+        if r.contender.startswith("vol-"):
+            conc = _parse_conc(r.contender) or TransferOptions().max_concurrency
         if conc and r.rss:
             budget = conc * part_size / MiB + 64
             add(f"{r.profile}: {r.contender} peak RSS above baseline during save ÷ budget",
@@ -366,7 +370,7 @@ def render_markdown(records: list[Record]) -> str:
         add("")
     scal = _group(records, "scaling", key=lambda r: (r["profile"], r["layout"], r["world"]))
     if scal:
-        add("## Scaling with ranks (gloo, total size fixed, `vol-disk-c8`)\n")
+        add(f"## Scaling with ranks (gloo, total size fixed, `{DEFAULT_VOL}`)\n")
         add("| profile | state | ranks | save s | save MiB/s | load s | load MiB/s (state) "
             "| fetched MiB/s (all ranks) | peak RSS +MiB (max rank) |")
         add("|---|---|---|---|---|---|---|---|---|")
@@ -381,7 +385,7 @@ def render_markdown(records: list[Record]) -> str:
         add("")
     tg = targets(records)
     if tg:
-        add("## Targets for dcp_volumes (`vol-disk-c8` = defaults unless named)\n")
+        add(f"## Targets for dcp_volumes (`{DEFAULT_VOL}` = defaults unless named)\n")
         add("| target | measured (medians) | ratio | goal | verdict |")
         add("|---|---|---|---|---|")
         for t in tg:

@@ -265,30 +265,49 @@ class Timer:
 
 
 def parse_contender(name: str) -> dict[str, Any]:
-    """``vol-disk-c8`` → {family: vol, spool: disk, concurrency: 8}; ``fsspec-t1``; ``s3tc-t8``;
-    ``local-fs``; ``raw-obstore`` / ``raw-s3fs`` / ``raw-boto3``."""
+    """``vol-disk`` → {family: vol, spool: disk, concurrency: None} (the defaults: adaptive);
+    ``vol-disk-c8`` → concurrency fixed at 8; ``fsspec-t1``; ``s3tc-t8``; ``local-fs``;
+    ``raw-obstore`` / ``raw-s3fs`` / ``raw-boto3``, optionally ``-cN`` requests in flight."""
     parts = name.split("-")
-    if parts[0] == "vol" and len(parts) == 3 and parts[1] in ("disk", "memory"):
-        return {"family": "vol", "spool": parts[1], "concurrency": int(parts[2].lstrip("c"))}
+    if parts[0] == "vol" and len(parts) in (2, 3) and parts[1] in ("disk", "memory"):
+        conc = _concurrency_suffix(parts[2]) if len(parts) == 3 else None
+        return {"family": "vol", "spool": parts[1], "concurrency": conc}
     if parts[0] in ("fsspec", "s3tc") and len(parts) == 2 and parts[1].startswith("t"):
         return {"family": parts[0], "threads": int(parts[1][1:])}
     if name == "local-fs":
         return {"family": "local"}
-    if parts[0] == "raw" and len(parts) == 2 and parts[1] in ("obstore", "s3fs", "boto3", "fsspec"):
-        return {"family": "raw", "client": parts[1]}
+    if parts[0] == "raw" and len(parts) in (2, 3) and parts[1] in ("obstore", "s3fs", "boto3",
+                                                                   "fsspec"):
+        conc = _concurrency_suffix(parts[2]) if len(parts) == 3 else None
+        return {"family": "raw", "client": parts[1], "concurrency": conc}
     raise ValueError(f"unknown contender {name!r}")
+
+
+def _concurrency_suffix(text: str) -> int:
+    if not (text.startswith("c") and text[1:].isdigit() and int(text[1:]) > 0):
+        raise ValueError(f"contender suffix {text!r}: use cN, e.g. c8")
+    return int(text[1:])
+
+
+def _vol_transfer(c: dict[str, Any], spec: dict[str, Any]) -> Any:
+    from dcp_volumes import TransferOptions
+
+    if c["concurrency"] is None:  # the defaults: adaptive up to the default maximum
+        return TransferOptions(part_size=spec["part_size"])
+    return TransferOptions(part_size=spec["part_size"], max_concurrency=c["concurrency"],
+                           adaptive_concurrency=False)
 
 
 def make_writer(contender: str, url: str, spec: dict[str, Any]) -> Any:
     c = parse_contender(contender)
     opts = dict(spec.get("storage_options") or {})
     if c["family"] == "vol":
-        from dcp_volumes import SpoolOptions, TransferOptions, VolumeWriter
+        from dcp_volumes import SpoolOptions, VolumeWriter
 
         return VolumeWriter(
             url, storage_options=opts,
             spool=SpoolOptions(mode=c["spool"], directory=spec.get("spool_dir")),
-            transfer=TransferOptions(part_size=spec["part_size"], max_concurrency=c["concurrency"]),
+            transfer=_vol_transfer(c, spec),
         )
     if c["family"] == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -311,10 +330,9 @@ def make_reader(contender: str, url: str, spec: dict[str, Any]) -> Any:
     c = parse_contender(contender)
     opts = dict(spec.get("storage_options") or {})
     if c["family"] == "vol":
-        from dcp_volumes import TransferOptions, VolumeReader
+        from dcp_volumes import VolumeReader
 
-        return VolumeReader(url, storage_options=opts, transfer=TransferOptions(
-            part_size=spec["part_size"], max_concurrency=c["concurrency"]))
+        return VolumeReader(url, storage_options=opts, transfer=_vol_transfer(c, spec))
     if c["family"] == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -397,7 +415,8 @@ def job_raw(spec: dict[str, Any]) -> dict[str, Any]:
     The payload is split into ``files`` objects (like the writers' shard files), uploaded
     concurrently with ``concurrency`` requests in flight in total, in ``part_size`` parts.
     """
-    client = parse_contender(spec["contender"])["client"]
+    parsed = parse_contender(spec["contender"])
+    client = parsed["client"]
     size = state_bytes(layout_for(spec["size"]))
     payload = bytearray(size)
     fd = os.open(spec["pool"], os.O_RDONLY)
@@ -406,7 +425,7 @@ def job_raw(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         os.close(fd)
     files = max(1, int(spec.get("files", 2)))
-    conc = int(spec.get("concurrency", 8))
+    conc = int(parsed["concurrency"] or spec.get("concurrency", 8))
     part = int(spec["part_size"])
     bounds = [(i * size // files, (i + 1) * size // files) for i in range(files)]
     # botocore accepts bytes, not memoryviews: prepare the bodies before the clock starts.

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import crc32c
 
+from dcp_volumes._crc import crc32c_extend
 from dcp_volumes.errors import SpoolError
 
 __all__ = ["DataLayout", "Part", "SpoolFile", "check_free_space"]
@@ -50,6 +51,7 @@ class Part:
     final: bool
     buffer: bytearray | None = None  # memory mode only
     release: Callable[[], None] | None = None
+    crc: int | None = None  # CRC32C of the part's bytes, taken while they were spooled
 
     def done(self) -> None:
         """Free the part's buffer slot (memory mode); safe to call twice."""
@@ -107,6 +109,8 @@ class SpoolFile:
         self._block_size = 0
         self._data_off: int | None = None
         self._block_crcs: list[int] = []
+        self._part_crcs: list[int] = []  # CRC32C of each full part, in order
+        self._part_crc = 0  # of the bytes after the last full part
         self._closed = False
         self.path: str | None = None
         self._fd = -1
@@ -142,17 +146,44 @@ class SpoolFile:
         n = len(mv)
         if n == 0:
             return 0
-        self._item_crc = crc32c.crc32c(mv, value=self._item_crc)
-        if self._data_bytes and n == self._data_bytes and self._data_off is None:
-            self._data_off = self._pos - self._item_start
-            bs = self._block_size
-            self._block_crcs = [crc32c.crc32c(mv[i:i + bs]) for i in range(0, n, bs)]
+        self._checksum(mv)
         if self.mode == "disk":
             self._write_disk(mv)
         else:
             self._write_memory(mv)
         self._pos += n
         return n
+
+    def _checksum(self, mv: memoryview) -> None:
+        """Read ``mv`` once, in pieces cut at part ends (and, for a tensor's bytes, at block
+        ends); the item, part and block CRCs are all assembled from the pieces' CRCs."""
+        n = len(mv)
+        data = bool(self._data_bytes) and n == self._data_bytes and self._data_off is None
+        if data:
+            # torch.save writes a tensor's storage in one call: checksum it per block so a
+            # reader can fetch and verify only part of it.
+            self._data_off = self._pos - self._item_start
+            self._block_crcs = []
+        bs = self._block_size
+        block_crc = block_len = 0
+        pos = 0
+        while pos < n:
+            take = min(n - pos, self.part_size - (self._pos + pos) % self.part_size)
+            if data:
+                take = min(take, bs - block_len)
+            crc = crc32c.crc32c(mv[pos:pos + take])
+            self._item_crc = crc32c_extend(self._item_crc, crc, take)
+            self._part_crc = crc32c_extend(self._part_crc, crc, take)
+            pos += take
+            if (self._pos + pos) % self.part_size == 0:
+                self._part_crcs.append(self._part_crc)
+                self._part_crc = 0
+            if data:
+                block_crc = crc32c_extend(block_crc, crc, take)
+                block_len += take
+                if block_len == bs or pos == n:
+                    self._block_crcs.append(block_crc)
+                    block_crc = block_len = 0
 
     # ---- items ---------------------------------------------------------------------------
     def begin_item(self, *, data_bytes: int = 0, block_size: int = 0) -> None:
@@ -214,7 +245,9 @@ class SpoolFile:
     def _hand_out(self, length: int, *, final: bool) -> None:
         if self._should_stop is not None:
             self._should_stop()
-        part = Part(self._next_part, self._emitted, length, final)
+        index = self._next_part - 1
+        crc = self._part_crcs[index] if index < len(self._part_crcs) else self._part_crc
+        part = Part(self._next_part, self._emitted, length, final, crc=crc)
         if self.mode == "memory":
             assert self._buf is not None
             part.buffer = self._buf if length == len(self._buf) else self._buf[:length]

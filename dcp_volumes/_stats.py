@@ -37,6 +37,8 @@ class SaveStats(_Figures):
         commit_s: seconds to write the manifest and ``.metadata`` (coordinator only, else 0).
         retries: transient failures retried.
         requests: requests made to the store.
+        concurrency: the limit on parts in flight, each level it took in order (the last
+            one is where it settled; see ``TransferOptions.adaptive_concurrency``).
     """
 
     rank: int = 0
@@ -49,6 +51,7 @@ class SaveStats(_Figures):
     commit_s: float = 0.0
     retries: int = 0
     requests: int = 0
+    concurrency: tuple[int, ...] = ()
 
     @property
     def mib_per_s(self) -> float:

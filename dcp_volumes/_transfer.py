@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +42,14 @@ def _never(_: BaseException) -> bool:
     return False
 
 
-class _PartBody(io.RawIOBase):
-    """A seekable read-only view of a part's bytes for an HTTP request body.
+class _PartBody(io.BytesIO):
+    """A seekable read-only view of a part's bytes for an HTTP request body, with no copy.
 
-    botocore turns a ``bytes`` body into a ``BytesIO`` and aiohttp then copies it whole;
-    a file-like body is streamed in small reads instead, so a part is held once, not twice.
+    botocore wraps a ``bytes`` body in a ``BytesIO`` (a copy for ``bytearray`` parts), and
+    aiohttp sends any other file-like body by reading it in a thread pool, one executor
+    round trip per 256 KiB. Being a ``BytesIO``, this view is sent the way aiohttp sends
+    in-memory buffers (read on the event loop, no thread hop), yet it holds no second copy
+    of the part: every read comes from the caller's buffer.
     """
 
     def __init__(self, data: bytes | bytearray) -> None:
@@ -53,11 +57,17 @@ class _PartBody(io.RawIOBase):
         self._view = memoryview(data).cast("B")
         self._pos = 0
 
+    def getbuffer(self) -> memoryview:
+        return self._view[:]
+
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
         return True
+
+    def writable(self) -> bool:
+        return False
 
     def tell(self) -> int:
         return self._pos
@@ -67,11 +77,27 @@ class _PartBody(io.RawIOBase):
         self._pos = max(0, min(len(self._view), base + offset))
         return self._pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view),
+                                                                    self._pos + size)
+        chunk = bytes(self._view[self._pos:end])
+        self._pos = max(self._pos, end)
+        return chunk
+
+    def read1(self, size: int | None = -1) -> bytes:
+        return self.read(size)
+
     def readinto(self, buffer: Any) -> int:
         n = min(len(buffer), len(self._view) - self._pos)
         buffer[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
         return n
+
+    def getvalue(self) -> bytes:
+        return bytes(self._view)
+
+    def write(self, _: Any) -> int:
+        raise io.UnsupportedOperation("a part body is read-only")
 
     def __len__(self) -> int:
         return len(self._view)
@@ -86,6 +112,8 @@ class _Sink:
     ordered = False
     #: whether put_part wants the part's CRC32C (computed off the event loop, with the read)
     wants_crc32c = False
+    #: told the duration of a small request to the store (see AdaptiveLimit.note_latency)
+    latency_observer: Callable[[float], None] | None = None
 
     def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
         self.backend = backend
@@ -156,11 +184,14 @@ class _S3Sink(_Sink):
         async with self._create_lock:
             if self._upload_id is None:
                 s3 = await self._client()
+                started = time.monotonic()
                 resp = await self.backend.call(
                     lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key,
                                                        ChecksumAlgorithm="CRC32C"),
                     op="upload", url=self.url, stats=self.stats,
                 )
+                if self.latency_observer is not None:
+                    self.latency_observer(time.monotonic() - started)
                 self._upload_id = resp["UploadId"]
 
     async def complete(self, nparts: int) -> None:
@@ -355,6 +386,131 @@ def make_sink(backend: Backend, relative: str, stats: CallStats, part_size: int)
 # --------------------------------------------------------------------------------------
 # Upload orchestration
 # --------------------------------------------------------------------------------------
+#: a request this slow (seconds) means a store far away, with a large bandwidth-delay product
+FAR_STORE_LATENCY_S = 0.010
+#: parts in flight to start with when the store looks near (or nothing was timed yet)
+NEAR_START = 2
+#: a doubling of the limit is kept only when throughput grew by at least this factor
+KEEP_GAIN = 1.4
+#: parts per measuring window, at least (and at least the limit)
+WINDOW_PARTS = 4
+
+
+class AdaptiveLimit:
+    """How many part uploads may be in flight: hill-climbing on measured throughput.
+
+    More parts in flight help a store far away (each connection is latency- or
+    bandwidth-capped, and aggregate throughput grows with connections) and hurt a store
+    that is CPU-bound (a local server: parallel parts only add its per-request overhead).
+    So the limit starts from the latency of the first small request of the save: at
+    ``maximum`` for a far store, at :data:`NEAR_START` otherwise. It is then doubled, one
+    window at a time (a window ends when ``max(WINDOW_PARTS, limit)`` parts started inside
+    it have finished; the first window only warms connections up and is not measured), for
+    as long as a doubling raises throughput by :data:`KEEP_GAIN`; the first doubling that
+    does not is undone and the limit settles at the level before it. Windows
+    in which the limit was not reached (the spool could not keep up) decide nothing, and
+    once serialization has ended (:meth:`freeze`) the limit stays where it is: the CPU that
+    serialization used goes to the uploads then, which would read as a gain from concurrency.
+
+    With ``adaptive=False`` the limit is ``maximum`` throughout. Lives on the event loop.
+    """
+
+    def __init__(self, maximum: int, *, adaptive: bool = True) -> None:
+        self.maximum = maximum
+        self.adaptive = adaptive
+        self.limit = min(NEAR_START, maximum) if adaptive else maximum
+        self.settled = not adaptive or self.limit == maximum
+        self.levels: dict[int, float] = {}  # limit -> throughput measured at it (bytes/s)
+        self.history: list[int] = [self.limit]
+        self._latency_known = False
+        self._inflight = 0
+        self._waiting = 0
+        self._cond = asyncio.Condition()
+        self._window_start: float | None = None
+        self._window_bytes = 0
+        self._window_done = 0
+        self._window_full = True
+        self._warm = False  # the first window (new connections, first parts) is not measured
+        self._wake_task: asyncio.Task[None] | None = None
+
+    def note_latency(self, seconds: float) -> None:
+        """The duration of a small request to the store (only the first one counts)."""
+        if self._latency_known or not self.adaptive:
+            return
+        self._latency_known = True
+        if seconds >= FAR_STORE_LATENCY_S and self._window_done == 0 and not self.levels:
+            self._set(self.maximum)
+            self.settled = True
+            # Parts may be queued at the old limit; wake them (notify needs the lock).
+            self._wake_task = asyncio.get_running_loop().create_task(self._wake())
+
+    def freeze(self) -> None:
+        """Serialization is over: keep the current limit for the rest of the save."""
+        self.settled = True
+
+    async def _wake(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, nbytes: int) -> Any:
+        """Hold one of the ``limit`` slots while a part of ``nbytes`` uploads."""
+        loop = asyncio.get_running_loop()
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self._inflight < self.limit)
+            finally:
+                self._waiting -= 1
+            self._inflight += 1
+            started = loop.time()
+            if self._window_start is None:
+                self._window_start = started
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            async with self._cond:
+                self._inflight -= 1
+                if ok:
+                    self._finished(nbytes, started, loop.time())
+                self._cond.notify_all()
+
+    def _finished(self, nbytes: int, started: float, now: float) -> None:
+        if self.settled or self._window_start is None:
+            return
+        self._window_bytes += nbytes
+        if started >= self._window_start:
+            self._window_done += 1
+        if self._waiting == 0:
+            self._window_full = False  # a free slot found nothing to send: not our limit
+        if self._window_done < max(WINDOW_PARTS, self.limit):
+            return
+        if self._warm and self._window_full and now > self._window_start:
+            self._decide(self._window_bytes / (now - self._window_start))
+        self._warm = True
+        self._window_start, self._window_bytes, self._window_done = now, 0, 0
+        self._window_full = True
+
+    def _decide(self, throughput: float) -> None:
+        self.levels[self.limit] = throughput
+        smaller = self.limit // 2
+        if smaller in self.levels and throughput < KEEP_GAIN * self.levels[smaller]:
+            self._set(smaller)  # the doubling bought too little: fewer parts load the store less
+            self.settled = True
+        elif self.limit >= self.maximum:
+            self.settled = True
+        else:
+            self._set(min(self.maximum, 2 * self.limit))
+
+    def _set(self, limit: int) -> None:
+        """Change the limit (callers wake the waiters)."""
+        if limit != self.limit:
+            self.limit = limit
+            self.history.append(limit)
+
+
 class FileUpload:
     """The upload of one shard file, fed part by part from the spool thread."""
 
@@ -364,6 +520,7 @@ class FileUpload:
         self.spool = spool
         self.sink = make_sink(uploader.backend, relative, uploader.stats,
                               uploader.part_size)
+        self.sink.latency_observer = uploader.limit.note_latency
         self._parts: list[concurrent.futures.Future[None]] = []
         self._turn: asyncio.Condition | None = None
         self._next = 1
@@ -388,7 +545,7 @@ class FileUpload:
                             await asyncio.wait_for(self._turn.wait(), timeout=0.5)
             if up.failed:
                 return
-            async with up.semaphore:
+            async with up.limit.slot(part.length):
                 spool = self.spool
                 assert spool is not None, "FileUpload.spool is set before parts arrive"
                 data, crc = await asyncio.to_thread(self._read, spool, part)
@@ -406,7 +563,9 @@ class FileUpload:
 
     def _read(self, spool: SpoolFile, part: Part) -> tuple[bytes | bytearray, int | None]:
         data = spool.read(part)
-        return data, (crc32c.crc32c(data) if self.sink.wants_crc32c else None)
+        if not self.sink.wants_crc32c:
+            return data, None
+        return data, (crc32c.crc32c(data) if part.crc is None else part.crc)
 
     def finish(self) -> None:
         """Schedule completion once every part is uploaded (called after spool close)."""
@@ -429,7 +588,7 @@ class Uploader:
     """Uploads the shard files of one rank's save; remembers what to undo on failure."""
 
     def __init__(self, backend: Backend, *, part_size: int, max_concurrency: int,
-                 stats: CallStats) -> None:
+                 stats: CallStats, adaptive: bool = True) -> None:
         self.backend = backend
         self.loop = backend.loop
         self.part_size = part_size
@@ -438,7 +597,7 @@ class Uploader:
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self.bytes_uploaded = 0
-        self.semaphore = backend.run(lambda: _make_semaphore(max_concurrency))
+        self.limit = backend.run(lambda: _make_limit(max_concurrency, adaptive))
 
     @property
     def failed(self) -> bool:
@@ -467,6 +626,10 @@ class Uploader:
             upload._parts.append(asyncio.run_coroutine_threadsafe(upload.sink.prepare(),
                                                                   self.loop))
         return upload
+
+    def spooling_ended(self) -> None:
+        """Called from the spool thread once every file is serialized."""
+        self.loop.call_soon_threadsafe(self.limit.freeze)
 
     def wait(self) -> None:
         """Block until every file is durable; raise the first failure."""
@@ -500,6 +663,10 @@ class Uploader:
 
 async def _make_semaphore(n: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(n)
+
+
+async def _make_limit(n: int, adaptive: bool) -> AdaptiveLimit:
+    return AdaptiveLimit(n, adaptive=adaptive)
 
 
 # --------------------------------------------------------------------------------------

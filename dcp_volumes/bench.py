@@ -7,14 +7,16 @@ gives medians with min–max. Each measurement runs in a fresh worker process
 
 Contenders:
 
-* ``vol-{disk,memory}-cN``: :class:`~dcp_volumes.VolumeWriter` / ``VolumeReader`` with that
-  spool mode and ``max_concurrency=N``.
+* ``vol-{disk,memory}``: :class:`~dcp_volumes.VolumeWriter` / ``VolumeReader`` with that
+  spool mode and the default (adaptive) concurrency; ``vol-{disk,memory}-cN``: fixed at
+  ``max_concurrency=N`` (``adaptive_concurrency=False``).
 * ``fsspec-tN``: torch's ``FsspecWriter(sync_files=False, thread_count=N)`` / ``FsspecReader``.
 * ``s3tc-t8``: s3torchconnector's ``S3StorageWriter(thread_count=8)`` / ``S3StorageReader``.
 * ``local-fs``: torch's ``FileSystemWriter`` / ``FileSystemReader`` on a local directory (the
   local-disk reference; loads come from the page cache).
 * ``raw-obstore``, ``raw-s3fs``, ``raw-boto3``: the same bytes uploaded and downloaded as
-  plain objects, ``--raw-concurrency`` requests in flight; the fastest is the *raw ceiling*.
+  plain objects, ``--raw-concurrency`` requests in flight (or N with a ``-cN`` suffix, e.g.
+  ``raw-obstore-c4``); the fastest of all raw contenders is the *raw ceiling*.
 * copy floors for ``dcp.async_save`` (copy into preallocated buffers; a fresh clone), measured
   in the async job next to VolumeWriter's own staging.
 
@@ -58,16 +60,16 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_CONTENDERS = (
-    "vol-disk-c2", "vol-disk-c4", "vol-disk-c8", "vol-memory-c8",
+    "vol-disk", "vol-memory", "vol-disk-c8",
     "fsspec-t1", "fsspec-t8", "s3tc-t8", "local-fs",
-    "raw-obstore", "raw-s3fs", "raw-boto3",
+    "raw-obstore-c2", "raw-obstore-c4", "raw-obstore", "raw-obstore-c16", "raw-boto3",
 )
 DEFAULT_KINDS = ("save", "async", "reshard", "scaling")
 PROFILES = ("direct", "s3-like")
 #: The --smoke preset: tiny, one repetition, few contenders, direct profile only.
 SMOKE = {
     "size": 8 * MiB, "reps": 1, "profiles": ("direct",),
-    "contenders": ("vol-disk-c8", "fsspec-t1", "local-fs", "raw-s3fs"),
+    "contenders": ("vol-disk", "fsspec-t1", "local-fs", "raw-s3fs"),
     "kinds": ("save", "async", "reshard"),
 }
 # Contenders that only speak S3.
@@ -137,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--part-size", type=parse_size, default=16 * MiB,
                    help="part size for dcp_volumes and the raw clients (default 16MiB)")
     g.add_argument("--raw-concurrency", type=int, default=8,
-                   help="requests in flight for the raw clients (default 8, dcp_volumes' "
-                        "default max_concurrency)")
+                   help="requests in flight for raw clients named without -cN (default 8); "
+                        "raw-obstore-c2 etc. set their own")
 
     s = parser.add_argument_group("where")
     s.add_argument("--server", default="seaweedfs",
@@ -414,18 +416,18 @@ def plan(args: argparse.Namespace, protocol: str) -> tuple[list[_Job], list[str]
                 kind = "raw" if c.startswith("raw-") else "save_load"
                 jobs.append(_Job(kind, c, profile, extra))
         if "async" in args.kinds:
-            jobs.append(_Job("async", "vol-disk-c8", profile,
+            jobs.append(_Job("async", "vol-disk", profile,
                              {"torch_default_stager": profile == "direct"
                               and not args.no_torch_stager}))
         if "reshard" in args.kinds and profile in args.reshard_profiles:
-            jobs.append(_Job("reshard", "vol-disk-c8", profile,
+            jobs.append(_Job("reshard", "vol-disk", profile,
                              {"save_world": 2, "load_worlds": [1] if args.smoke else [1, 3]}))
     if "scaling" in args.kinds:
         for profile in args.scaling_profiles:
             if profile not in args.profiles:
                 continue
             for world in args.ranks:
-                jobs.append(_Job("scaling", "vol-disk-c8", profile,
+                jobs.append(_Job("scaling", "vol-disk", profile,
                                  {"world": int(world), "layouts": ["sharded", "replicated"]}))
     return jobs, skipped
 

@@ -69,15 +69,23 @@ class TransferOptions:
 
     Attributes:
         part_size: bytes per multipart part / Azure block / ranged GET. S3 requires >= 5 MiB.
-        max_concurrency: requests in flight per rank. Payload bytes held in memory by the
-            transfer engine stay below ``max_concurrency × part_size``.
+        max_concurrency: requests in flight per rank (uploads: the most the adaptive limit
+            may reach). Payload bytes held in memory by the transfer engine stay below
+            ``max_concurrency × part_size``.
+        adaptive_concurrency: let each save find its number of part uploads in flight: it
+            starts at ``max_concurrency`` when the store answers a small request in 10 ms or
+            more (far away: throughput grows with connections), else at 2, and doubles while
+            that raises throughput by 25% or more (until serialization ends). A store that is
+            CPU-bound (a local server) only slows down under more parallel parts. ``False``:
+            always ``max_concurrency``.
         coalesce_gap: on load, neighbouring byte ranges of one file closer than this are fetched
             with one GET (the gap is read and discarded).
         max_range_size: on load, coalesced ranges stop growing past this size.
     """
 
     part_size: int = 16 * MiB
-    max_concurrency: int = 8
+    max_concurrency: int = 16
+    adaptive_concurrency: bool = True
     coalesce_gap: int = 1 * MiB
     max_range_size: int = 32 * MiB
 
@@ -100,6 +108,9 @@ class TransferOptions:
                 or self.coalesce_gap < 0:
             raise ConfigError(f"TransferOptions.coalesce_gap must be >= 0, got {self.coalesce_gap!r}")
         _positive_int("TransferOptions.max_range_size", self.max_range_size, "e.g. 32 * 2**20")
+        if not isinstance(self.adaptive_concurrency, bool):
+            raise ConfigError("TransferOptions.adaptive_concurrency must be True or False, got "
+                              f"{self.adaptive_concurrency!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

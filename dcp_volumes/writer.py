@@ -275,7 +275,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
                              spool.free_space_margin)
         uploader = Uploader(backend, part_size=transfer.part_size,
-                            max_concurrency=transfer.max_concurrency, stats=stats)
+                            max_concurrency=transfer.max_concurrency, stats=stats,
+                            adaptive=transfer.adaptive_concurrency)
         slots = (threading.Semaphore(transfer.max_concurrency + 1)
                  if spool.mode == "memory" else None)
         spools: list[SpoolFile] = []
@@ -298,6 +299,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                     total += sf.close()
                     upload.finish()
             spool_end = time.monotonic()
+            uploader.spooling_ended()
             uploader.wait()
         except BaseException:
             uploader.abort()
@@ -311,13 +313,14 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),
             spool_s=spool_end - start, upload_s=end - start, upload_tail_s=end - spool_end,
             retries=stats.retries, requests=stats.requests,
+            concurrency=tuple(uploader.limit.history),
         )
         s = self.last_stats
         logger.info(
             "rank %d wrote %d bytes in %d files (%d parts) to %s: spool %.2fs, upload %.2fs "
-            "(%.2fs after spool), %.1f MiB/s, %d retries",
+            "(%.2fs after spool), %.1f MiB/s, %d retries, parts in flight %s",
             s.rank, s.bytes, s.files, s.parts, redact_url(self._url), s.spool_s, s.upload_s,
-            s.upload_tail_s, s.mib_per_s, s.retries,
+            s.upload_tail_s, s.mib_per_s, s.retries, "->".join(map(str, s.concurrency)),
         )
         return results
 

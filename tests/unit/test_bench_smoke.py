@@ -59,7 +59,7 @@ def test_report_on_synthetic_records(tmp_path: Path) -> None:
     recs = []
     for rep, jitter in enumerate((1.0, 1.1, 0.9)):
         recs += [
-            _record("save_load", "vol-disk-c8", "direct", rep,
+            _record("save_load", "vol-disk", "direct", rep,
                     {"bytes": 100 * mib, "save_s": 1.0 * jitter, "load_s": 0.5,
                      "save_rss_peak_mib": 100.0, "ok": True,
                      "writer_stats": {"spool_s": 0.4, "upload_tail_s": 0.5, "commit_s": 0.1}}),
@@ -69,11 +69,11 @@ def test_report_on_synthetic_records(tmp_path: Path) -> None:
                     {"bytes": 100 * mib, "save_s": 2.0, "load_s": 0.4, "ok": True}),
             _record("raw", "raw-obstore", "direct", rep,
                     {"bytes": 100 * mib, "save_s": 0.98, "load_s": 0.25, "ok": True}),
-            _record("async", "vol-disk-c8", "direct", rep,
+            _record("async", "vol-disk", "direct", rep,
                     {"bytes": 100 * mib, "async_block_s": 0.05, "async_done_s": 1.2,
                      "async_first_block_s": 0.2, "copy_prealloc_s": 0.045,
                      "copy_clone_s": 0.1}),
-            _record("reshard", "vol-disk-c8", "direct", rep,
+            _record("reshard", "vol-disk", "direct", rep,
                     {"bytes": 100 * mib, "save_s": 1.0, "ok": True, "loads": {
                         "3": {"load_s": 1.0, "bytes_needed": 200 * mib,
                               "bytes_fetched": 200 * mib, "logical_bytes_needed": 100 * mib,
@@ -82,7 +82,7 @@ def test_report_on_synthetic_records(tmp_path: Path) -> None:
     recs.append({**_record("save_load", "vol-memory-c8", "direct", 0, {}), "error": "boom"})
     del recs[-1]["result"]
     md = report.render_markdown(recs)
-    assert "| `vol-disk-c8` | 1.00 (0.90–1.10) |" in md
+    assert "| `vol-disk` | 1.00 (0.90–1.10) |" in md
     assert "## async_save" in md and "## Resharded loads" in md and "## Failures" in md
     verdicts = {t.name: t for t in report.targets(recs)}
     raw = verdicts["direct: save time ÷ fastest raw upload"]
@@ -107,14 +107,14 @@ def test_bench_smoke_runs_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = report.read_jsonl(tmp_path / "results.jsonl")
     kinds = {(r["kind"], r["contender"]) for r in records}
-    assert {("save_load", c) for c in ("vol-disk-c8", "fsspec-t1", "local-fs")} <= kinds
-    assert {("raw", "raw-s3fs"), ("async", "vol-disk-c8"), ("reshard", "vol-disk-c8")} <= kinds
+    assert {("save_load", c) for c in ("vol-disk", "fsspec-t1", "local-fs")} <= kinds
+    assert {("raw", "raw-s3fs"), ("async", "vol-disk"), ("reshard", "vol-disk")} <= kinds
     for r in records:
         assert "result" in r, r.get("traceback")
         assert r["result"].get("ok", True) is True
         assert r["versions"]["torch"] and r["machine"]["cpu_count"]
         assert "dcp_volumes.bench --smoke" in r["command"]
-    vol = next(r for r in records if r["contender"] == "vol-disk-c8" and r["kind"] == "save_load")
+    vol = next(r for r in records if r["contender"] == "vol-disk" and r["kind"] == "save_load")
     assert vol["result"]["writer_stats"]["bytes"] > 0
     assert vol["result"]["reader_stats"]["verified"] is True
     md = (tmp_path / "results.md").read_text()

@@ -294,3 +294,40 @@ def test_sync_save_after_async_stage_uses_staged_values(url: str) -> None:
     out = {"a": torch.zeros(1000)}
     load(out, url)
     assert torch.equal(out["a"], torch.arange(1000.0))
+
+
+@pytest.mark.parametrize("n", [1, 5, 1 << 20, 3 << 20, (3 << 20) + 17])
+def test_crc32c_extend_equals_reading_on(n: int) -> None:
+    import crc32c
+
+    from dcp_volumes._crc import crc32c_extend
+
+    head, block = os.urandom(123), os.urandom(n)
+    running = crc32c.crc32c(head)
+    assert crc32c_extend(running, crc32c.crc32c(block), n) == crc32c.crc32c(block, value=running)
+
+
+@pytest.mark.parametrize("mode", ["disk", "memory"])
+@pytest.mark.parametrize("nbytes", [2 << 20, (5 << 20) + 12, (10 << 20) - 82])
+def test_spool_crcs_of_items_blocks_and_parts(nbytes: int, mode: str, tmp_path) -> None:
+    import crc32c
+
+    from dcp_volumes._spool import SpoolFile
+
+    parts = []
+    sf = SpoolFile("x", mode=mode, directory=str(tmp_path), part_size=5 << 20,
+                   emit=parts.append)
+    head, data, tail = os.urandom(77), os.urandom(nbytes), os.urandom(5)
+    sf.begin_item(data_bytes=nbytes, block_size=1 << 20)
+    for piece in (head, data, tail):
+        sf.write(piece)
+    offset, length, crc, layout = sf.end_item()
+    sf.close()
+    whole = head + data + tail
+    assert (offset, length, crc) == (0, len(whole), crc32c.crc32c(whole))
+    assert layout is not None and layout.data_offset == len(head)
+    assert layout.block_crcs == [crc32c.crc32c(data[i:i + (1 << 20)])
+                                 for i in range(0, nbytes, 1 << 20)]
+    assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+    assert [p.crc for p in parts] == [crc32c.crc32c(bytes(sf.read(p))) for p in parts]
+    sf.discard()

@@ -484,3 +484,25 @@ def test_proxy_rule_matching(echo_url: str) -> None:
         FaultRule(action="fail_after_bytes")
     with pytest.raises(ValueError, match="action"):
         FaultRule(action="explode")  # type: ignore[arg-type]
+
+
+def test_writer_goes_wide_on_a_far_store_and_records_it(s3_proxy: FaultProxy) -> None:
+    """Through a 40 ms first-byte delay the first small request (the multipart set-up) is
+    slow, so the save starts at max_concurrency; the figures say so."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_volumes import TransferOptions, VolumeReader, VolumeWriter
+
+    s3_proxy.profile = NetworkProfile(first_byte_delay_s=0.04)
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: a multipart file of 5 MiB parts
+    url = "s3://proxied/adaptive-far"
+    opts = s3_proxy.storage_options()
+    writer = VolumeWriter(url, storage_options=opts,
+                          transfer=TransferOptions(part_size=5 << 20, max_concurrency=12))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.last_stats is not None
+    assert writer.last_stats.concurrency == (2, 12)
+    out = {"w": torch.zeros(3 << 20)}
+    dcp.load(out, storage_reader=VolumeReader(url, storage_options=opts), no_dist=True)
+    assert torch.equal(out["w"], state["w"])
