@@ -368,6 +368,29 @@ class Backend:
                     stats.add(retries=1, requests=1)
                 await asyncio.sleep(delay)
 
+    async def round_trip_s(self, samples: int = 3) -> float | None:
+        """The fastest of ``samples`` cheap requests to the store (S3 ``HeadBucket``, Azure
+        container properties), in seconds; ``None`` for other backends or when one fails
+        (a probe never fails a save)."""
+        if self.kind == "s3":
+            s3 = await self.fs.set_session()
+            bucket = self.root.split("/", 1)[0]
+            request: Callable[[], Awaitable[Any]] = lambda: s3.head_bucket(Bucket=bucket)
+        elif self.kind == "azure":
+            container = self.fs.service_client.get_container_client(self.root.split("/", 1)[0])
+            request = lambda: container.get_container_properties(retry_total=0)
+        else:
+            return None
+        best = float("inf")
+        for _ in range(samples):
+            started = time.monotonic()
+            try:
+                await request()
+            except Exception:  # noqa: BLE001 — only a hint; the save's own requests report errors
+                return None
+            best = min(best, time.monotonic() - started)
+        return best
+
     # ---- small object operations -------------------------------------------------------
     def azure_blob(self, relative: str) -> Any:
         """An async Azure ``BlobClient`` for an object under the root (Azure only)."""

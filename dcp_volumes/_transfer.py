@@ -22,7 +22,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,8 +111,6 @@ class _Sink:
     ordered = False
     #: whether put_part wants the part's CRC32C (computed off the event loop, with the read)
     wants_crc32c = False
-    #: told the duration of a small request to the store (see AdaptiveLimit.note_latency)
-    latency_observer: Callable[[float], None] | None = None
 
     def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
         self.backend = backend
@@ -184,14 +181,11 @@ class _S3Sink(_Sink):
         async with self._create_lock:
             if self._upload_id is None:
                 s3 = await self._client()
-                started = time.monotonic()
                 resp = await self.backend.call(
                     lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key,
                                                        ChecksumAlgorithm="CRC32C"),
                     op="upload", url=self.url, stats=self.stats,
                 )
-                if self.latency_observer is not None:
-                    self.latency_observer(time.monotonic() - started)
                 self._upload_id = resp["UploadId"]
 
     async def complete(self, nparts: int) -> None:
@@ -386,7 +380,7 @@ def make_sink(backend: Backend, relative: str, stats: CallStats, part_size: int)
 # --------------------------------------------------------------------------------------
 # Upload orchestration
 # --------------------------------------------------------------------------------------
-#: a request this slow (seconds) means a store far away, with a large bandwidth-delay product
+#: a round trip this slow (seconds) means a store far away: a large bandwidth-delay product
 FAR_STORE_LATENCY_S = 0.010
 #: parts in flight to start with when the store looks near (or nothing was timed yet)
 NEAR_START = 2
@@ -402,7 +396,8 @@ class AdaptiveLimit:
     More parts in flight help a store far away (each connection is latency- or
     bandwidth-capped, and aggregate throughput grows with connections) and hurt a store
     that is CPU-bound (a local server: parallel parts only add its per-request overhead).
-    So the limit starts from the latency of the first small request of the save: at
+    So the limit starts from the store's round-trip time (the fastest of three cheap
+    requests, made while the first part serializes; :meth:`Backend.round_trip_s`): at
     ``maximum`` for a far store, at :data:`NEAR_START` otherwise. It is then doubled, one
     window at a time (a window ends when ``max(WINDOW_PARTS, limit)`` parts started inside
     it have finished; the first window only warms connections up and is not measured), for
@@ -434,11 +429,11 @@ class AdaptiveLimit:
         self._wake_task: asyncio.Task[None] | None = None
 
     def note_latency(self, seconds: float) -> None:
-        """The duration of a small request to the store (only the first one counts)."""
+        """The store's round-trip time in seconds (only the first report counts)."""
         if self._latency_known or not self.adaptive:
             return
         self._latency_known = True
-        if seconds >= FAR_STORE_LATENCY_S and self._window_done == 0 and not self.levels:
+        if seconds >= FAR_STORE_LATENCY_S and not self.levels and self.limit < self.maximum:
             self._set(self.maximum)
             self.settled = True
             # Parts may be queued at the old limit; wake them (notify needs the lock).
@@ -520,7 +515,6 @@ class FileUpload:
         self.spool = spool
         self.sink = make_sink(uploader.backend, relative, uploader.stats,
                               uploader.part_size)
-        self.sink.latency_observer = uploader.limit.note_latency
         self._parts: list[concurrent.futures.Future[None]] = []
         self._turn: asyncio.Condition | None = None
         self._next = 1
@@ -598,6 +592,21 @@ class Uploader:
         self._lock = threading.Lock()
         self.bytes_uploaded = 0
         self.limit = backend.run(lambda: _make_limit(max_concurrency, adaptive))
+        # The store's round-trip time decides where the limit starts; measured while the
+        # first part serializes (a far store is switched to max_concurrency when it answers).
+        self._probe: concurrent.futures.Future[None] | None = None
+        if adaptive:
+            self._probe = asyncio.run_coroutine_threadsafe(self._measure_round_trip(),
+                                                           self.loop)
+
+    async def _measure_round_trip(self) -> None:
+        rtt = await self.backend.round_trip_s()
+        if rtt is not None:
+            self.limit.note_latency(rtt)
+
+    def _stop_probe(self) -> None:
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
 
     @property
     def failed(self) -> bool:
@@ -633,17 +642,21 @@ class Uploader:
 
     def wait(self) -> None:
         """Block until every file is durable; raise the first failure."""
-        for f in self.files:
-            if f.done is None:
-                raise errors.UploadError(f"internal error: {f.relative} was never finished")
-            try:
-                f.done.result()
-            except BaseException as exc:  # noqa: BLE001 — recorded, re-raised below
-                self.fail(exc)
+        try:
+            for f in self.files:
+                if f.done is None:
+                    raise errors.UploadError(f"internal error: {f.relative} was never finished")
+                try:
+                    f.done.result()
+                except BaseException as exc:  # noqa: BLE001 — recorded, re-raised below
+                    self.fail(exc)
+        finally:
+            self._stop_probe()  # a save shorter than the probe does not need it any more
         self.raise_if_failed()
 
     def abort(self) -> None:
         """Cancel what is pending and remove what was uploaded (best effort)."""
+        self._stop_probe()
         self.fail(errors.UploadError("save aborted"))
         # Let in-flight requests end (they see the failure and stop) before undoing them;
         # their own errors were recorded by fail() already.

@@ -73,8 +73,9 @@ class TransferOptions:
             may reach). Payload bytes held in memory by the transfer engine stay below
             ``max_concurrency × part_size``.
         adaptive_concurrency: let each save find its number of part uploads in flight: it
-            starts at ``max_concurrency`` when the store answers a small request in 10 ms or
-            more (far away: throughput grows with connections), else at 2, and doubles while
+            starts at ``max_concurrency`` when the fastest of three small requests to the
+            store (S3 ``HeadBucket``) takes 10 ms or more (far away: throughput grows with
+            connections), else at 2, and doubles while
             that raises throughput by 25% or more (until serialization ends). A store that is
             CPU-bound (a local server) only slows down under more parallel parts. ``False``:
             always ``max_concurrency``.
