@@ -49,9 +49,9 @@ class Part:
     offset: int
     length: int
     final: bool
+    crc: int  # CRC32C of the part's bytes, taken while they were spooled
     buffer: bytearray | None = None  # memory mode only
     release: Callable[[], None] | None = None
-    crc: int | None = None  # CRC32C of the part's bytes, taken while they were spooled
 
     def done(self) -> None:
         """Free the part's buffer slot (memory mode); safe to call twice."""
@@ -247,7 +247,7 @@ class SpoolFile:
             self._should_stop()
         index = self._next_part - 1
         crc = self._part_crcs[index] if index < len(self._part_crcs) else self._part_crc
-        part = Part(self._next_part, self._emitted, length, final, crc=crc)
+        part = Part(self._next_part, self._emitted, length, final, crc)
         if self.mode == "memory":
             assert self._buf is not None
             part.buffer = self._buf if length == len(self._buf) else self._buf[:length]

@@ -26,8 +26,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
 from dcp_volumes import errors
 from dcp_volumes._fs import Backend, CallStats, s3_checksum
 from dcp_volumes._spool import Part, SpoolFile
@@ -109,8 +107,6 @@ class _Sink:
     """Receives the parts of one object and makes it durable."""
 
     ordered = False
-    #: whether put_part wants the part's CRC32C (computed off the event loop, with the read)
-    wants_crc32c = False
 
     def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
         self.backend = backend
@@ -122,8 +118,7 @@ class _Sink:
     async def prepare(self) -> None:
         """Optional early set-up for a file expected to span several parts."""
 
-    async def put_part(self, part: Part, data: bytes | bytearray,
-                       crc: int | None = None) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         raise NotImplementedError
 
     async def complete(self, nparts: int) -> None:
@@ -141,8 +136,6 @@ class _S3Sink(_Sink):
     transit is still refused by the store (``BadDigest``, retried), at a quarter of the CPU.
     """
 
-    wants_crc32c = True
-
     def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
         super().__init__(backend, relative, stats)
         self.bucket, self.key, _ = backend.fs.split_path(self.path)
@@ -154,10 +147,9 @@ class _S3Sink(_Sink):
     async def _client(self) -> Any:
         return await self.backend.fs.set_session()
 
-    async def put_part(self, part: Part, data: bytes | bytearray,
-                       crc: int | None = None) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         s3 = await self._client()
-        checksum = s3_checksum(data, crc)
+        checksum = s3_checksum(data, part.crc)
         if part.number == 1 and part.final:
             self._single = True
             await self.backend.call(
@@ -241,8 +233,7 @@ class _AzureSink(_Sink):
     def _block_id(number: int) -> str:
         return base64.b64encode(f"dcpv-{number:08d}".encode()).decode()
 
-    async def put_part(self, part: Part, data: bytes | bytearray,
-                       crc: int | None = None) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         bc = self._client()
         if part.number == 1 and part.final:
             self._single = True
@@ -291,8 +282,7 @@ class _LocalSink(_Sink):
                                                    url=self.url, retry_if=_never)
             return self._fd
 
-    async def put_part(self, part: Part, data: bytes | bytearray,
-                       crc: int | None = None) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         fd = await self._open()
 
         def _pwrite() -> None:
@@ -335,8 +325,7 @@ class _StreamSink(_Sink):
         self._file: Any = None
         self._part_size = part_size
 
-    async def put_part(self, part: Part, data: bytes | bytearray,
-                       crc: int | None = None) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
         def _write() -> None:
             if self._file is None:
                 kwargs: dict[str, Any] = {}
@@ -542,8 +531,8 @@ class FileUpload:
             async with up.limit.slot(part.length):
                 spool = self.spool
                 assert spool is not None, "FileUpload.spool is set before parts arrive"
-                data, crc = await asyncio.to_thread(self._read, spool, part)
-                await self.sink.put_part(part, data, crc)
+                data = await asyncio.to_thread(spool.read, part)
+                await self.sink.put_part(part, data)
                 up.add_bytes(part.length)
         except BaseException as exc:
             up.fail(exc)
@@ -554,12 +543,6 @@ class FileUpload:
                 async with self._turn:
                     self._next = max(self._next, part.number + 1)
                     self._turn.notify_all()
-
-    def _read(self, spool: SpoolFile, part: Part) -> tuple[bytes | bytearray, int | None]:
-        data = spool.read(part)
-        if not self.sink.wants_crc32c:
-            return data, None
-        return data, (crc32c.crc32c(data) if part.crc is None else part.crc)
 
     def finish(self) -> None:
         """Schedule completion once every part is uploaded (called after spool close)."""
