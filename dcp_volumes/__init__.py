@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from dcp_volumes._version import __version__
 
 if TYPE_CHECKING:
-    from dcp_volumes._stats import LoadStats, SaveStats
+    from dcp_volumes._api import load, save
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.reader import VolumeReader
+    from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "VolumeReader",
     "VolumeWriter",
     "__version__",
+    "load",
+    "save",
 ]
 
 # Public name → module that defines it. Only these are resolved lazily.
@@ -43,8 +46,10 @@ _LAZY: dict[str, str] = {
     "SpoolOptions": "dcp_volumes.config",
     "TransferOptions": "dcp_volumes.config",
     "RetryOptions": "dcp_volumes.config",
-    "SaveStats": "dcp_volumes._stats",
-    "LoadStats": "dcp_volumes._stats",
+    "SaveStats": "dcp_volumes.stats",
+    "LoadStats": "dcp_volumes.stats",
+    "save": "dcp_volumes._api",
+    "load": "dcp_volumes._api",
 }
 
 

@@ -6,9 +6,15 @@
       .metadata                            standard pickled torch Metadata, written LAST
       .dcpv-manifest-<save_id>.json        integrity sidecar of save <save_id>
       __<rank>_<i>-<save_id>.distcp        shard files of save <save_id>
+      .dcpv-live-<save_id>.json            live record of save <save_id> while it runs
 
 Shard and manifest names carry the save id, so two saves never write the same object:
 an overwrite leaves the old save intact until the new ``.metadata`` replaces the old one.
+
+The live record says "save <save_id> may still be running": the coordinator writes it at plan
+time, every rank rewrites it every :data:`LIVE_REFRESH_S` seconds while it uploads, and the
+coordinator removes it once the save committed or failed. ``gc`` leaves alone every object of
+a save whose live record was written less than :data:`LIVE_STALE_S` ago.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ import time
 from dcp_volumes.errors import UnsafeCheckpointError
 
 __all__ = [
+    "LIVE_PREFIX",
+    "LIVE_REFRESH_S",
+    "LIVE_STALE_S",
     "MANIFEST_PREFIX",
     "METADATA",
     "check_relative_path",
+    "live_name",
+    "live_save_id_of",
     "manifest_name",
     "new_save_id",
     "save_id_of",
@@ -33,10 +44,17 @@ __all__ = [
 METADATA = ".metadata"
 MANIFEST_PREFIX = ".dcpv-manifest-"
 SHARD_SUFFIX = ".distcp"
+LIVE_PREFIX = ".dcpv-live-"
+#: seconds between two rewrites of a running save's live record (by each uploading rank)
+LIVE_REFRESH_S = 30.0
+#: a live record younger than this marks a save that may still be running, whatever age
+#: threshold gc was given: four missed refreshes
+LIVE_STALE_S = 4 * LIVE_REFRESH_S
 
 _SAVE_ID_RE = r"[0-9a-f]{8}-[0-9a-f]{12}"
 _SHARD_RE = re.compile(rf"^__(\d+)_(\d+)-({_SAVE_ID_RE})\.distcp$")
 _MANIFEST_RE = re.compile(rf"^{re.escape(MANIFEST_PREFIX)}({_SAVE_ID_RE})\.json$")
+_LIVE_RE = re.compile(rf"^{re.escape(LIVE_PREFIX)}({_SAVE_ID_RE})\.json$")
 
 
 def new_save_id() -> str:
@@ -50,6 +68,16 @@ def shard_name(rank: int, index: int, save_id: str) -> str:
 
 def manifest_name(save_id: str) -> str:
     return f"{MANIFEST_PREFIX}{save_id}.json"
+
+
+def live_name(save_id: str) -> str:
+    return f"{LIVE_PREFIX}{save_id}.json"
+
+
+def live_save_id_of(name: str) -> str | None:
+    """The save id of a live record's name, else None."""
+    m = _LIVE_RE.match(name)
+    return m.group(1) if m else None
 
 
 def save_id_of(name: str) -> str | None:

@@ -1,4 +1,4 @@
-"""The integrity manifest, safe unpickling of ``.metadata``, and the atomic commit.
+"""The integrity manifest's format and the safe unpickling of ``.metadata``.
 
 The manifest is a small JSON sidecar named after the save id::
 
@@ -6,19 +6,15 @@ The manifest is a small JSON sidecar named after the save id::
      "world_size": 2, "created": 1764412345.1,
      "files": {"__0_0-<id>.distcp": {"size": 123, "items": [[offset, length, crc32c], ...]}}}
 
-``.metadata`` is committed last, with a conditional create when ``overwrite`` is off:
-S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure ``overwrite=False``, local
-``link(2)`` of a fully written temp file (fails if the name exists).
+How a save is committed lives in :mod:`dcp_volumes._commit`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import os
+import math
 import pickle
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,13 +23,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, redact_url, s3_checksum
-from dcp_volumes._layout import METADATA, check_relative_path
+from dcp_volumes._layout import check_relative_path
+from dcp_volumes.backends.translate import redact_url
 
-__all__ = ["FileEntry", "ItemEntry", "Manifest", "commit_metadata", "load_metadata"]
+__all__ = ["FileEntry", "ItemEntry", "Manifest", "load_metadata", "metadata_save_id",
+           "set_save_id", "volume_save_id"]
 
 FORMAT_VERSION = 1
-_memory_commit_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -60,12 +56,29 @@ class ItemEntry:
     @classmethod
     def from_json(cls, row: list[Any]) -> tuple[int, ItemEntry]:
         offset, length, crc = int(row[0]), int(row[1]), int(row[2])
+        if offset < 0 or length < 0 or not 0 <= crc <= 0xFFFFFFFF:
+            raise ValueError("negative offset/length or a CRC out of range")
         if len(row) > 3 and isinstance(row[3], dict):
             d = row[3]
-            return offset, cls(length, crc, int(d["data"]), int(d["block"]),
-                               tuple(int(c) for c in d["crcs"]),
-                               tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+            entry = cls(length, crc, int(d["data"]), int(d["block"]),
+                        tuple(int(c) for c in d["crcs"]),
+                        tuple(int(x) for x in d["shape"]), str(d["dtype"]))
+            entry._check_layout()
+            return offset, entry
         return offset, cls(length, crc)
+
+    def _check_layout(self) -> None:
+        """A crafted layout must not steer reads outside the item or divide by zero."""
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"unknown dtype {self.dtype!r}")
+        if self.block_size < 1 or any(x < 0 for x in self.shape) or self.data_offset is None:
+            raise ValueError("bad block size or shape")
+        nbytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+        if not 0 <= self.data_offset <= self.length - nbytes:
+            raise ValueError("tensor data outside its item")
+        if len(self.block_crcs) != -(-nbytes // self.block_size):
+            raise ValueError("block CRC count does not match the data size")
 
 
 @dataclass
@@ -142,7 +155,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "collections": frozenset({"OrderedDict"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
     "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "getattr", "slice",
-                           "complex", "bytearray"}),
+                           "complex"}),
     "enum": frozenset(),
     "datetime": frozenset({"datetime", "timedelta", "timezone"}),
 }
@@ -209,140 +222,8 @@ def volume_save_id(metadata: Metadata) -> str | None:
     return save_id if any(_layout.save_id_of(p) == save_id for p in paths) else None
 
 
-async def read_manifest(backend: Backend, metadata: Metadata) -> Manifest | None:
-    """The manifest of the save ``metadata`` commits; None for torch-written checkpoints.
-
-    Raises:
-        IntegrityError: VolumeWriter wrote the checkpoint but its manifest is missing,
-            unreadable, or belongs to another save.
-    """
-    save_id = volume_save_id(metadata)
-    if save_id is None:
-        return None
-    name = _layout.manifest_name(save_id)
-    try:
-        data = await backend.cat(name, op="read")
-    except errors.ObjectNotFoundError:
-        raise errors.IntegrityError(
-            f"{redact_url(backend.url)} was written by VolumeWriter but its manifest {name} is "
-            "missing: the checkpoint was modified; pass verify=False to load it unverified"
-        ) from None
-    manifest = Manifest.from_json(data, where=backend.object_url(name))
-    if manifest.save_id != save_id:
-        raise errors.IntegrityError(
-            f"manifest {name} belongs to save {manifest.save_id}, not {save_id}")
-    return manifest
-
-
 def set_save_id(metadata: Metadata, save_id: str, checkpoint_url: str) -> None:
     if metadata.storage_meta is None:
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.save_id = save_id
     metadata.storage_meta.checkpoint_id = redact_url(checkpoint_url)
-
-
-# --------------------------------------------------------------------------------------
-# Commit
-# --------------------------------------------------------------------------------------
-async def _commit_local(backend: Backend, data: bytes, *, exclusive: bool, save_id: str) -> None:
-    final = backend.path(METADATA)
-    tmp = backend.path(f"{METADATA}.{save_id}.tmp")
-
-    def _do() -> None:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            if exclusive:
-                os.link(tmp, final)  # atomic; EEXIST if another save committed
-                os.unlink(tmp)
-            else:
-                os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        dfd = os.open(os.path.dirname(final), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-    await asyncio.to_thread(_do)
-
-
-async def _commit_memory(backend: Backend, data: bytes, *, exclusive: bool) -> None:
-    path = backend.path(METADATA)
-    with _memory_commit_lock:
-        if exclusive and backend.fs.exists(path):
-            raise FileExistsError(path)
-        backend.fs.pipe_file(path, data)
-
-
-async def _commit_s3(backend: Backend, data: bytes, *, exclusive: bool) -> None:
-    bucket, key, _ = backend.fs.split_path(backend.path(METADATA))
-    s3 = await backend.fs.set_session()
-    kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if exclusive else {}
-    # Raw client: SeaweedFS answers a failed If-None-Match without the field s3fs needs to
-    # raise FileExistsError; the HTTP 412 is visible here and translated in one place.
-    await s3.put_object(Bucket=bucket, Key=key, Body=data, **kwargs, **s3_checksum(data))
-
-
-async def _commit_generic(backend: Backend, data: bytes, *, exclusive: bool) -> None:
-    path = backend.path(METADATA)
-    if backend.kind == "azure":
-        await backend.azure_blob(METADATA).upload_blob(data, overwrite=not exclusive,
-                                                       retry_total=0)
-    elif exclusive:
-        await backend.fs_call("pipe_file", path, data, mode="create")
-    else:
-        await backend.fs_call("pipe_file", path, data)
-
-
-async def _try_commit(backend: Backend, data: bytes, *, exclusive: bool, save_id: str) -> None:
-    if backend.kind == "local":
-        await _commit_local(backend, data, exclusive=exclusive, save_id=save_id)
-    elif backend.kind == "memory":
-        await _commit_memory(backend, data, exclusive=exclusive)
-    elif backend.kind == "s3":
-        await _commit_s3(backend, data, exclusive=exclusive)
-    else:
-        await _commit_generic(backend, data, exclusive=exclusive)
-
-
-async def commit_metadata(
-    backend: Backend,
-    metadata_bytes: bytes,
-    *,
-    exclusive: bool,
-    save_id: str,
-    stats: CallStats,
-) -> None:
-    """Write ``.metadata`` in one atomic operation (conditional create if ``exclusive``).
-
-    Raises:
-        CheckpointExistsError: ``exclusive`` and another save's ``.metadata`` is there.
-    """
-    url = backend.object_url(METADATA)
-    try:
-        await backend.call(
-            lambda: _try_commit(backend, metadata_bytes, exclusive=exclusive, save_id=save_id),
-            op="commit", url=url, stats=stats,
-        )
-    except errors.CheckpointExistsError:
-        # A retried conditional PUT whose first attempt landed sees its own object: check.
-        try:
-            current = await backend.cat(METADATA, op="read")
-            if metadata_save_id(load_metadata(current, where=url)) == save_id:
-                return
-        except errors.DCPVolumesError:
-            pass
-        raise errors.CheckpointExistsError(
-            f"{redact_url(backend.url)} was committed by another save while this one uploaded; "
-            "this save's shards were removed. Use a new path, or overwrite=True to replace it"
-        ) from None
-

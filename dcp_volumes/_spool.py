@@ -15,9 +15,12 @@ non-empty file is never empty and is marked ``final``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import shutil
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +83,57 @@ def check_free_space(directory: str, needed: int, margin: float) -> None:
         )
 
 
+def _host_tag() -> str:
+    """A short tag of this host: spool directories may be shared (NFS), pids are not."""
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def spool_file_name(shard: str) -> str:
+    """``dcpv-<host>-<pid>-<shard>``: whose file it is, so a later save can tell it is dead."""
+    return f"dcpv-{_host_tag()}-{os.getpid()}-{shard}"
+
+
+_SPOOL_NAME_RE = re.compile(
+    r"^dcpv-([0-9a-f]{8})-(\d+)-__\d+_\d+-[0-9a-f]{8}-[0-9a-f]{12}\.distcp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_dead_spools(directory: str) -> int:
+    """Remove spool files that killed processes of this host left in ``directory``.
+
+    Only regular files (never links) whose name is exactly a spool file's, made on this
+    host by a process that no longer exists, are removed. Returns how many were.
+    """
+    host, removed = _host_tag(), 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = _SPOOL_NAME_RE.match(entry.name)
+        if m is None or m.group(1) != host or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False) or _pid_alive(int(m.group(2))):
+                continue
+            os.unlink(entry.path)
+            removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+    if removed:
+        logger.warning("removed %d spool files that killed saves left in %s", removed, directory)
+    return removed
+
+
 class SpoolFile:
     """A shard file being serialized. Not thread-safe: one writer thread."""
 
@@ -119,7 +173,7 @@ class SpoolFile:
         self._buf_release: Callable[[], None] | None = None
         if mode == "disk":
             os.makedirs(directory, exist_ok=True)
-            self.path = os.path.join(directory, f"dcpv-{os.getpid()}-{name}")
+            self.path = os.path.join(directory, spool_file_name(name))
             try:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as exc:

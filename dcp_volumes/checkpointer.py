@@ -20,15 +20,18 @@ import os
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_volumes import catalog, errors
-from dcp_volumes._fs import _parse_scheme, redact_url
+from dcp_volumes import _compat, catalog, errors
+from dcp_volumes._api import reraise_typed, typed_failure
+from dcp_volumes.backends import parse_url, redact_url
+from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
 from dcp_volumes.reader import VolumeReader
 from dcp_volumes.writer import VolumeWriter
 
@@ -40,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
-
-_WRITER_KEYS = frozenset({"overwrite", "spool", "transfer", "retry"})
 
 
 @dataclass
@@ -83,8 +84,13 @@ class Checkpointer:
             apply_retention`); ``None`` keeps all.
         keep_every: also keep every checkpoint whose step is a multiple of K.
         async_save: upload in the background (see above).
-        writer_options: keyword arguments for :class:`~dcp_volumes.VolumeWriter`: ``overwrite``,
-            ``spool``, ``transfer``, ``retry``.
+        overwrite: replace a complete checkpoint already at a step's URL (as
+            :class:`~dcp_volumes.VolumeWriter`'s ``overwrite``); off by default.
+        spool: :class:`~dcp_volumes.SpoolOptions` for every save.
+        transfer: :class:`~dcp_volumes.TransferOptions` for every save and load.
+        retry: :class:`~dcp_volumes.RetryOptions` for every save and load.
+        safe_globals: classes a checkpoint's pickled non-tensor items may reference on load
+            (as :class:`~dcp_volumes.VolumeReader`'s ``safe_globals``).
         step_format: directory name of a step, a ``str.format`` template with ``{step}``.
         step_pattern: regular expression that parses the step back from a directory name
             (default: :data:`dcp_volumes.catalog.DEFAULT_STEP_PATTERN`); must agree with
@@ -102,12 +108,16 @@ class Checkpointer:
         keep_last: int | None = None,
         keep_every: int | None = None,
         async_save: bool = False,
-        writer_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        spool: SpoolOptions | None = None,
+        transfer: TransferOptions | None = None,
+        retry: RetryOptions | None = None,
+        safe_globals: Sequence[Any] = (),
         step_format: str = "step-{step:08d}",
         step_pattern: str | re.Pattern[str] | None = None,
     ) -> None:
         url = os.fspath(root)
-        _parse_scheme(url)
+        parse_url(url)
         self.root = url.rstrip("/") if url.rstrip("/") else url
         if storage_options is not None and not isinstance(storage_options, dict):
             raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
@@ -120,22 +130,24 @@ class Checkpointer:
             )
         if every_seconds is not None and not every_seconds > 0:
             raise errors.ConfigError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
-        catalog._check_count("keep_last", keep_last)
-        catalog._check_count("keep_every", keep_every)
+        catalog.check_count("keep_last", keep_last)
+        catalog.check_count("keep_every", keep_every)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = bool(async_save)
-        self.writer_options = dict(writer_options or {})
-        unknown = set(self.writer_options) - _WRITER_KEYS
-        if unknown:
-            raise errors.ConfigError(
-                f"writer_options has unknown keys {sorted(unknown)}: "
-                f"VolumeWriter takes {sorted(_WRITER_KEYS)}"
-            )
+        for name, value, cls in (("spool", spool, SpoolOptions),
+                                 ("transfer", transfer, TransferOptions),
+                                 ("retry", retry, RetryOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise errors.ConfigError(
+                    f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
+        self.overwrite = bool(overwrite)
+        self.spool, self.transfer, self.retry = spool, transfer, retry
+        self.safe_globals = tuple(safe_globals)
         self.step_format = step_format
-        self.step_pattern = catalog._compile(step_pattern)
+        self.step_pattern = catalog.compile_step_pattern(step_pattern)
         self._check_step_format()
 
         self._writer: VolumeWriter | None = None
@@ -162,7 +174,7 @@ class Checkpointer:
                 f"step_format {self.step_format!r} is not a format string with {{step}} "
                 f"({type(exc).__name__}); use e.g. 'step-{{step:08d}}'"
             ) from None
-        if "/" in name or catalog._step_of(name, self.step_pattern) != 1234:
+        if "/" in name or catalog.step_of(name, self.step_pattern) != 1234:
             raise errors.ConfigError(
                 f"step_format {self.step_format!r} makes names like {name!r} that the step "
                 f"pattern {self.step_pattern.pattern!r} does not parse back to 1234: pass a "
@@ -211,7 +223,8 @@ class Checkpointer:
             True if a save was started.
 
         Raises:
-            CheckpointException: this save failed (sync), or the previous background save did
+            DCPVolumesError: this save failed (sync), or the previous background save did
+                (the typed error behind DCP's ``CheckpointException``, which it chains)
                 (async; this save is then not started).
         """
         self._check_open()
@@ -223,17 +236,18 @@ class Checkpointer:
         url = self.url_for(step)
         if self._writer is None:
             self._writer = VolumeWriter(
-                url, storage_options=self.storage_options, **self.writer_options
+                url, storage_options=self.storage_options, overwrite=self.overwrite,
+                spool=self.spool, transfer=self.transfer, retry=self.retry,
             )
         self._last_step = step
         self._last_save_t = time.monotonic()
         if not self.async_save:
-            dcp.save(
-                state_dict,
-                checkpoint_id=url,
-                storage_writer=self._writer,
-                process_group=self._ctl_group,
-            )
+            try:
+                dcp.save(state_dict, checkpoint_id=url, storage_writer=self._writer,
+                         process_group=self._ctl_group)
+            except (Exception, CheckpointException) as exc:
+                reraise_typed(exc, None)
+                raise
             self._after_commit(step, url)
             return True
         response = dcp.async_save(
@@ -241,9 +255,9 @@ class Checkpointer:
             checkpoint_id=url,
             storage_writer=self._writer,
             process_group=self._save_group,
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            **_compat.async_executor("thread"),
         )
-        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        upload = _compat.upload_future(response)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._pending = _Pending(step, url, done)
 
@@ -296,12 +310,15 @@ class Checkpointer:
             return
         try:
             pending.done.result()
-        except BaseException as exc:  # CheckpointException is a BaseException
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(
-                    f"dcp_volumes: the background save of step {pending.step} to "
-                    f"{redact_url(pending.url)} failed"
-                )
+        except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+            note = (f"dcp_volumes: the background save of step {pending.step} to "
+                    f"{redact_url(pending.url)} failed")
+            typed = typed_failure(exc)
+            failure = typed if typed is not None else exc
+            if hasattr(failure, "add_note"):  # Python 3.11+
+                failure.add_note(note)
+            if typed is not None and typed is not exc:
+                raise typed  # its cause stays the backend error; exc becomes its context
             raise
 
     def wait(self) -> None:
@@ -325,11 +342,14 @@ class Checkpointer:
         )
         if info is None:
             return None
-        dcp.load(
-            state_dict,
-            storage_reader=VolumeReader(info.url, storage_options=self.storage_options),
-            process_group=self._ctl_group,
-        )
+        reader = VolumeReader(info.url, storage_options=self.storage_options,
+                              transfer=self.transfer, retry=self.retry,
+                              safe_globals=self.safe_globals)
+        try:
+            dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
+        except (Exception, CheckpointException) as exc:
+            reraise_typed(exc, reader.last_error)
+            raise
         self._last_step = info.step
         self._last_save_t = time.monotonic()
         logger.info("resumed from %s (step %s)", redact_url(info.url), info.step)

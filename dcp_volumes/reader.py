@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -12,13 +13,21 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_volumes import _layout, errors
-from dcp_volumes._fs import CallStats, Location, redact_url
-from dcp_volumes._manifest import Manifest, load_metadata, read_manifest
-from dcp_volumes._readplan import apply_need, check_need, describe, plan_needs, plan_ranges
-from dcp_volumes._stats import LoadStats
-from dcp_volumes._transfer import RangeRequest, fetch_ranges
+from dcp_volumes import _compat, _layout, errors
+from dcp_volumes._commit import read_committed
+from dcp_volumes._location import Location
+from dcp_volumes._manifest import Manifest
+from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.stats import LoadStats
+from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
+from dcp_volumes.transfer.readplan import (
+    apply_need,
+    check_need,
+    describe,
+    plan_needs,
+    plan_ranges,
+)
 
 __all__ = ["VolumeReader"]
 
@@ -37,6 +46,11 @@ class VolumeReader(Location, StorageReader):
         transfer: concurrency of ranged GETs and range coalescing (:class:`TransferOptions`).
         retry: retries of transient errors (:class:`RetryOptions`).
         verify: check each item's CRC32C and length against the manifest (default True).
+        safe_globals: classes and functions that pickled non-tensor items (``extra`` state,
+            config objects) may reference, on top of what torch's weights-only unpickler
+            allows (containers, numbers, strings, tensors). An item that references
+            anything else is refused with :class:`~dcp_volumes.errors.UnsafeCheckpointError`
+            before it is unpickled: loading a checkpoint never runs code from storage.
     """
 
     def __init__(
@@ -48,15 +62,24 @@ class VolumeReader(Location, StorageReader):
         transfer: TransferOptions | None = None,
         retry: RetryOptions | None = None,
         verify: bool = True,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
         self.transfer = transfer or TransferOptions()
         self.verify = bool(verify)
+        if isinstance(safe_globals, (str, bytes)) or not isinstance(safe_globals, Sequence):
+            raise errors.ConfigError(
+                "safe_globals= must be a list of classes/functions (as for "
+                f"torch.serialization.add_safe_globals), got {type(safe_globals).__name__}")
+        self.safe_globals = tuple(safe_globals)
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
         self._rank = 0
         self.last_stats: LoadStats | None = None
+        #: the typed error of the last failed read_metadata/read_data on this rank
+        self.last_error: errors.DCPVolumesError | None = None
+        self._metadata_retries = 0  # retries of the .metadata and manifest reads
 
     def __repr__(self) -> str:
         return f"VolumeReader({redact_url(self._url)!r})"
@@ -81,34 +104,22 @@ class VolumeReader(Location, StorageReader):
                 f"{redact_url(self._url)} has no per-rank metadata (VolumeWriter writes one "
                 "global .metadata)"
             )
-        backend = self._backend()
-        where = backend.object_url(_layout.METADATA)
-
-        async def _read() -> tuple[bytes | None, list[str]]:
-            try:
-                return await backend.cat(_layout.METADATA, op="read"), []
-            except errors.ObjectNotFoundError:
-                return None, await backend.list_names()
-
-        data, names = backend.run(_read)
-        if data is None:
-            if names:
-                shown = ", ".join(sorted(names)[:3])
-                raise errors.IncompleteCheckpointError(
-                    f"{redact_url(self._url)} has {len(names)} objects ({shown}, ...) but no "
-                    ".metadata: the save that wrote them did not commit (interrupted or still "
-                    "running). Load an earlier checkpoint; `dcp-volumes gc` removes leftovers"
-                )
-            raise errors.CheckpointNotFoundError(
-                f"no checkpoint at {redact_url(self._url)}: check the URL and storage_options"
-            )
-        metadata = load_metadata(data, where=where)
-        self._manifest = None
-        if self.verify:
-            self._manifest = backend.run(lambda: read_manifest(backend, metadata))
-            if self._manifest is None:
-                logger.debug("%s was not written by VolumeWriter (no manifest): checksums are "
-                             "not verified", redact_url(self._url))
+        self.last_error = None
+        stats = CallStats()
+        try:
+            committed = read_committed(self._backend(), with_manifest=self.verify, stats=stats)
+        except errors.DCPVolumesError as exc:
+            # dcp.load folds this into an AssertionError message; keep the typed error for
+            # dcp_volumes.load (and anyone holding the reader) to raise.
+            self.last_error = exc
+            raise
+        finally:
+            self._metadata_retries = stats.retries
+        metadata = committed.metadata
+        self._manifest = committed.manifest
+        if self.verify and not committed.ours:
+            logger.debug("%s was not written by VolumeWriter (no manifest): checksums are "
+                         "not verified", redact_url(self._url))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = _layout.new_save_id()
@@ -119,7 +130,7 @@ class VolumeReader(Location, StorageReader):
         if metadata.storage_data is None:
             raise errors.IntegrityError(f"{redact_url(self._url)}: .metadata has no storage_data")
         self._storage_data = metadata.storage_data
-        self._rank = int(kwargs.get("rank", 0) or 0)
+        self._rank = _compat.storage_rank(kwargs)
         self.last_stats = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -129,6 +140,13 @@ class VolumeReader(Location, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        except errors.DCPVolumesError as exc:
+            self.last_error = exc
+            raise
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         backend = self._backend()
         url = redact_url(self._url)
         needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
@@ -145,6 +163,7 @@ class VolumeReader(Location, StorageReader):
                 "while loading"
             )
 
+        check_extents(backend, ranges, url, _missing)
         for rng, data in fetch_ranges(backend, ranges,
                                       max_concurrency=self.transfer.max_concurrency,
                                       chunk_size=self.transfer.part_size,
@@ -154,11 +173,12 @@ class VolumeReader(Location, StorageReader):
             for need in rng.items:
                 chunk = view[need.start - rng.start:need.end - rng.start]
                 check_need(need, chunk, url)
-                apply_need(need, chunk, planner)
+                apply_need(need, chunk, planner, self.safe_globals)
         self.last_stats = LoadStats(
             rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
             items=len(needs), ranges=len(ranges), fetch_s=time.monotonic() - start,
-            verified=self._manifest is not None, retries=stats.retries,
+            verified=self._manifest is not None,
+            retries=stats.retries + self._metadata_retries,
         )
         s = self.last_stats
         logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s: %.2fs, %.1f MiB/s, "

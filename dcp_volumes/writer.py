@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -25,23 +26,16 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_volumes import _layout, errors
-from dcp_volumes._fs import Backend, CallStats, Location, redact_url
-from dcp_volumes._manifest import (
-    FileEntry,
-    ItemEntry,
-    Manifest,
-    commit_metadata,
-    load_metadata,
-    metadata_save_id,
-    set_save_id,
-)
-from dcp_volumes._spool import SpoolFile, check_free_space
+from dcp_volumes import _commit, _compat, _layout, errors
+from dcp_volumes._location import Location
+from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, set_save_id
+from dcp_volumes._spool import SpoolFile, check_free_space, remove_dead_spools
 from dcp_volumes._staging import StagingBuffers
-from dcp_volumes._stats import SaveStats
-from dcp_volumes._transfer import Uploader
 from dcp_volumes._version import __version__
+from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+from dcp_volumes.stats import SaveStats
+from dcp_volumes.transfer.upload import Uploader
 
 __all__ = ["VolumeWriter"]
 
@@ -64,7 +58,7 @@ class _SavePrefix:
 class _CheckedWriteResult(WriteResult):
     """A WriteResult that also carries the item's CRC32C to the coordinator."""
 
-    crc32c: int = 0
+    crc32c: int
     layout: ItemEntry | None = None
 
 
@@ -103,11 +97,11 @@ def _without_torch_zip_crc() -> Iterator[None]:
     CRC32C from the spool, and torch's readers do not check the zip CRC. (A process-wide
     torch setting: restored when the last concurrent save in this process ends.)"""
     global _zip_crc_users
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    set_ = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or set_ is None:
+    options = _compat.zip_crc32_options()
+    if options is None:
         yield
         return
+    get, set_ = options
     with _zip_crc_lock:
         if _zip_crc_users == 0:
             _without_torch_zip_crc.previous = get()  # type: ignore[attr-defined]
@@ -221,7 +215,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         self._save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._rank = int(kwargs.get("rank", 0) or 0)
+        self._rank = _compat.storage_rank(kwargs)
         self.last_stats = None
 
     def storage_meta(self) -> StorageMeta | None:
@@ -248,8 +242,11 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 f"a complete checkpoint exists at {redact_url(self._url)}: pick a new path, "
                 "or pass VolumeWriter(..., overwrite=True) to replace it"
             )
-        self._save_id = _layout.new_save_id()
-        return [dataclasses.replace(p, storage_data=_SavePrefix(self._save_id, i))
+        save_id = _layout.new_save_id()
+        # gc leaves a save alone while its live record is fresh, even before its first object
+        backend.run(lambda: _commit.mark_live(backend, save_id))
+        self._save_id = save_id
+        return [dataclasses.replace(p, storage_data=_SavePrefix(save_id, i))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -259,10 +256,27 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 "the save plan carries no dcp_volumes prefix: VolumeWriter.prepare_global_plan "
                 "did not run (is a custom planner dropping storage_data?)"
             )
-        results = self._write_rank(plan.items, planner, prefix)
+        results = self._write_live(plan.items, planner, prefix)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_live(self, items: list[WriteItem], planner: SavePlanner,
+                    prefix: _SavePrefix) -> list[WriteResult]:
+        """:meth:`_write_rank`, keeping the save's live record fresh meanwhile (so gc leaves
+        the save alone). A rank that fails removes the record: DCP commits a save only if
+        every rank succeeded, so what this save wrote is garbage now."""
+        backend = self._backend()
+        heartbeat = _commit.Heartbeat(backend, prefix.save_id).start()
+        try:
+            return self._write_rank(items, planner, prefix)
+        except BaseException:
+            heartbeat.stop()
+            with contextlib.suppress(Exception):  # best effort: gc collects a stale record
+                backend.run(lambda: _commit.end_live(backend, prefix.save_id))
+            raise
+        finally:
+            heartbeat.stop()
 
     def _write_rank(self, items: list[WriteItem], planner: SavePlanner,
                     prefix: _SavePrefix) -> list[WriteResult]:
@@ -272,6 +286,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         start = time.monotonic()
         directory = spool.resolved_directory()
         if spool.mode == "disk":
+            remove_dead_spools(directory)
             check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
                              spool.free_space_margin)
         uploader = Uploader(backend, part_size=transfer.part_size,
@@ -287,12 +302,14 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             with _without_torch_zip_crc():
                 for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
                     relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
-                    upload = uploader.start_file(relative, None,
-                                                 expected_size=sum(map(_item_nbytes, bucket)))
-                    sf = SpoolFile(relative, mode=spool.mode, directory=directory,
-                                   part_size=transfer.part_size, emit=upload.submit,
-                                   buffer_slots=slots, should_stop=uploader.raise_if_failed)
-                    upload.spool = sf
+                    upload = uploader.start_file(
+                        relative,
+                        functools.partial(SpoolFile, relative, mode=spool.mode,
+                                          directory=directory, part_size=transfer.part_size,
+                                          buffer_slots=slots,
+                                          should_stop=uploader.raise_if_failed),
+                        expected_size=sum(map(_item_nbytes, bucket)))
+                    sf = upload.spool
                     spools.append(sf)
                     for item in bucket:
                         results.append(self._write_item(sf, item, planner, relative))
@@ -353,89 +370,50 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         backend = self._backend()
         save_id = self._save_id
         start = time.monotonic()
-        manifest = Manifest(save_id=save_id, writer=f"dcp_volumes {__version__}",
-                            world_size=len(results))
-        storage_md: dict[Any, _StorageInfo] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                info = wr.storage_data
-                storage_md[wr.index] = _StorageInfo(info.relative_path, info.offset, info.length)
-                entry = manifest.files.setdefault(info.relative_path, FileEntry())
-                entry.items[info.offset] = getattr(wr, "layout", None) or ItemEntry(
-                    info.length, getattr(wr, "crc32c", 0))
-                entry.size = max(entry.size, info.offset + info.length)
-        metadata.storage_data = storage_md
+        manifest = _manifest_of(save_id, results)
+        metadata.storage_data = {wr.index: _StorageInfo(wr.storage_data.relative_path,
+                                                        wr.storage_data.offset,
+                                                        wr.storage_data.length)
+                                 for rank_results in results for wr in rank_results}
         set_save_id(metadata, save_id, self._url)
         metadata_bytes = pickle.dumps(metadata)
-        ours = [*manifest.files, _layout.manifest_name(save_id)]
         stats = CallStats()
-        superseded = backend.run(lambda: self._commit(backend, manifest, metadata_bytes, ours,
-                                                      stats))
-        commit_s = time.monotonic() - start
-        if superseded:
+        try:
             try:
-                backend.run(lambda: backend.remove(superseded))
-            except errors.DCPVolumesError as exc:
-                logger.warning("superseded objects of %s were not all removed (%s); "
-                               "`dcp-volumes gc` collects them", redact_url(self._url),
-                               type(exc).__name__)
+                # Never commit a save with a missing object: with overwrite that would replace
+                # a loadable checkpoint by one that cannot load.
+                backend.run(lambda: _commit.check_durable(backend, manifest))
+            except errors.UploadError:
+                backend.run(lambda: _commit.remove_quietly(backend, sorted(manifest.files)))
+                raise
+            superseded = backend.run(lambda: _commit.commit(
+                backend, manifest=manifest, metadata_bytes=metadata_bytes,
+                overwrite=self.overwrite, stats=stats))
+        finally:
+            with contextlib.suppress(Exception):  # best effort: gc collects a stale record
+                backend.run(lambda: _commit.end_live(backend, save_id))
+        commit_s = time.monotonic() - start
+        _commit.remove_superseded(backend, superseded)
         prev = self.last_stats or SaveStats(rank=self._rank)
         self.last_stats = dataclasses.replace(prev, commit_s=commit_s,
                                               retries=prev.retries + stats.retries)
-        logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url), save_id,
-                    len(manifest.files), commit_s)
-
-    async def _commit(self, backend: Backend, manifest: Manifest, metadata_bytes: bytes,
-                      ours: list[str], stats: CallStats) -> list[str]:
-        """Manifest, then ``.metadata`` last. Returns the superseded save's objects."""
-        superseded: list[str] = []
-        if self.overwrite:
-            superseded = await _objects_of_current_save(backend)
-        await backend.put(_layout.manifest_name(manifest.save_id), manifest.to_json(), stats=stats)
-        try:
-            await commit_metadata(backend, metadata_bytes, exclusive=not self.overwrite,
-                                  save_id=manifest.save_id, stats=stats)
-        except errors.CheckpointExistsError:
-            await _remove_quietly(backend, ours)
-            raise
-        except BaseException:
-            # Unknown outcome: keep our shards if .metadata turns out to be ours after all.
-            if not await _is_committed_by(backend, manifest.save_id):
-                await _remove_quietly(backend, ours)
-            raise
-        keep = set(ours) | {_layout.METADATA}
-        return [name for name in superseded if name not in keep]
+        logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url),
+                    save_id, len(manifest.files), commit_s)
 
 
-async def _objects_of_current_save(backend: Backend) -> list[str]:
-    """Objects the checkpoint committed now at ``backend`` consists of (empty if none)."""
-    try:
-        data = await backend.cat(_layout.METADATA, op="read")
-    except errors.ObjectNotFoundError:
-        return []
-    try:
-        metadata = load_metadata(data, where=backend.object_url(_layout.METADATA))
-    except errors.DCPVolumesError:
-        return []  # not ours to interpret; leave it to gc
-    names = {info.relative_path for info in metadata.storage_data.values()}
-    save_id = metadata_save_id(metadata)
-    if _layout.is_save_id(save_id):
-        names.add(_layout.manifest_name(save_id))  # type: ignore[arg-type]
-    return sorted(names)
-
-
-async def _is_committed_by(backend: Backend, save_id: str) -> bool:
-    try:
-        data = await backend.cat(_layout.METADATA, op="read")
-        return metadata_save_id(load_metadata(data, where="")) == save_id
-    except Exception:  # noqa: BLE001 — unknown means "not provably ours"
-        return False
-
-
-async def _remove_quietly(backend: Backend, names: list[str]) -> None:
-    try:
-        await backend.remove(names)
-    except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
-        logger.warning("could not remove %d objects of an uncommitted save under %s (%s)",
-                       len(names), redact_url(backend.url), type(exc).__name__)
-
+def _manifest_of(save_id: str, results: list[list[WriteResult]]) -> Manifest:
+    """The integrity manifest of a save from every rank's write results."""
+    manifest = Manifest(save_id=save_id, writer=f"dcp_volumes {__version__}",
+                        world_size=len(results))
+    for rank_results in results:
+        for wr in rank_results:
+            if not isinstance(wr, _CheckedWriteResult):
+                raise errors.DCPVolumesError(
+                    f"a write result of item {wr.index} carries no checksum: it was not "
+                    "written by VolumeWriter.write_data (a custom planner or writer mixed in?)"
+                )
+            info = wr.storage_data
+            entry = manifest.files.setdefault(info.relative_path, FileEntry())
+            entry.items[info.offset] = wr.layout or ItemEntry(info.length, wr.crc32c)
+            entry.size = max(entry.size, info.offset + info.length)
+    return manifest

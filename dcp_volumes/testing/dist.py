@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dcp_volumes._compat import GLOO_TEARDOWN_MAY_DEADLOCK
 
 __all__ = ["free_port", "run_ranks"]
 
@@ -35,10 +38,19 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         try:
             out = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if not GLOO_TEARDOWN_MAY_DEADLOCK:
+                dist.destroy_process_group()
         results.put((rank, True, out))
     except BaseException as exc:  # noqa: BLE001 — reported to the parent
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    if GLOO_TEARDOWN_MAY_DEADLOCK:
+        # This torch can hang tearing a gloo group down (see _compat): hand over the result
+        # and leave without running any destructor.
+        results.close()
+        results.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,

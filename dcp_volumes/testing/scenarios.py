@@ -10,7 +10,7 @@ The state is deterministic, so any rank count can rebuild what it must read back
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,17 +99,16 @@ def async_save_on_ranks(rank: int, world_size: int, url: str, writer_kwargs: dic
     the upload finished."""
     import time
 
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
     from dcp_volumes import VolumeWriter
+    from dcp_volumes._compat import async_executor, upload_future
 
     state = build_state(world_size, zeros=False)
     writer = VolumeWriter(url, **writer_kwargs)
-    kind = AsyncCheckpointerType[checkpointer.upper()]
+    executor = async_executor(checkpointer)
     start = time.monotonic()
-    response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind)
+    response = dcp.async_save(state, storage_writer=writer, **executor)
     blocked = time.monotonic() - start
-    future = cast(Any, getattr(response, "upload_completion", response))
+    future = upload_future(response)
     steps = 0
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

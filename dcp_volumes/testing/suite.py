@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import fsspec
 import pytest
@@ -50,6 +50,8 @@ from dcp_volumes import (
     VolumeWriter,
     errors,
 )
+from dcp_volumes._compat import HAS_PROCESS_ASYNC_SAVE, TORCH_VERSION, no_dist
+from dcp_volumes.backends import backend_class
 from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.testing.scenarios import async_save_on_ranks, load_on_ranks, save_on_ranks
 from dcp_volumes.testing.states import assert_state_equal, mixed_state, zeros_like_state
@@ -127,14 +129,14 @@ def _save(state: dict[str, Any], url: str, store: Store, **kw: Any) -> VolumeWri
     planner = kw.pop("planner", None)
     writer = VolumeWriter(url, storage_options=opts,
                           transfer=kw.pop("transfer", SMALL_PARTS), **kw)
-    dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    dcp.save(state, storage_writer=writer, planner=planner, **no_dist())
     return writer
 
 
 def _load(state: dict[str, Any], url: str, store: Store, **kw: Any) -> VolumeReader:
     opts = kw.pop("storage_options", store.storage_options)
     reader = VolumeReader(url, storage_options=opts, **kw)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, **no_dist())
     return reader
 
 
@@ -145,22 +147,28 @@ def _versioned(v: float) -> dict[str, Any]:
 class CheckpointStoreTests:
     """Conformance tests every dcp_volumes backend must pass.
 
-    Capability flags (override as class attributes):
-        multi_process: the store is visible from other processes (False for ``memory://``).
-        conditional_create: the backend can create ``.metadata`` exclusively.
+    Capability flags. The first four are read from the backend that serves the store's URL
+    (:class:`~dcp_volumes.backends.base.Backend`'s class attributes named in brackets);
+    a test class overrides one by setting it to ``True``/``False``:
+        multi_process: the store is visible from other processes (False for ``memory://``)
+            [``shared_across_processes``].
+        conditional_create: the backend can create ``.metadata`` exclusively
+            [``conditional_create``].
         retries_visible: transient errors reach dcp_volumes' retry loop (and so its
-            figures); False where the client retries inside its own streaming writer.
-        multipart_listing: stale multipart uploads can be listed (S3).
-        verifies_upload_checksums: the store checks the CRC32C each upload request carries
-            and refuses a body damaged in transit (so the writer resends it); elsewhere the
-            damage is stored and caught by the reader's own CRC32C on load.
+            figures); False where the client retries inside its own streaming writer
+            [``retries_visible``].
+        multipart_listing: stale multipart uploads can be listed (S3) [``lists_stale_uploads``].
+        verifies_upload_checksums: the store (the server, not the client) checks the CRC32C
+            each upload request carries and refuses a body damaged in transit (so the writer
+            resends it); elsewhere the damage is stored and caught by the reader's own
+            CRC32C on load.
         persistent_fault_timeout_s: how long a save may take to give up on a dead store.
     """
 
-    multi_process: bool = True
-    conditional_create: bool = True
-    retries_visible: bool = True
-    multipart_listing: bool = False
+    multi_process: bool | None = None
+    conditional_create: bool | None = None
+    retries_visible: bool | None = None
+    multipart_listing: bool | None = None
     verifies_upload_checksums: bool = False
     persistent_fault_timeout_s: float = 60.0
 
@@ -169,8 +177,22 @@ class CheckpointStoreTests:
         raise NotImplementedError("a backend's test class must provide the `store` fixture")
 
     # ---- helpers ---------------------------------------------------------------------
-    def _need(self, flag: str, reason: str) -> None:
-        if not getattr(self, flag):
+    _BACKEND_CAPABILITY: ClassVar[dict[str, str]] = {
+        "multi_process": "shared_across_processes",
+        "conditional_create": "conditional_create",
+        "retries_visible": "retries_visible",
+        "multipart_listing": "lists_stale_uploads",
+    }
+
+    def _has(self, store: Store, flag: str) -> bool:
+        """The capability ``flag``: the class's override, else the backend's own property."""
+        value = getattr(self, flag)
+        if value is None:
+            value = getattr(backend_class(store.root), self._BACKEND_CAPABILITY[flag])
+        return bool(value)
+
+    def _need(self, store: Store, flag: str, reason: str) -> None:
+        if not self._has(store, flag):
             pytest.skip(f"{type(self).__name__}: {reason}")
 
     @contextlib.contextmanager
@@ -201,7 +223,7 @@ class CheckpointStoreTests:
                              ids=["save2-load1-load3", "save4-load4-load2"])
     def test_multi_rank_resharding(self, store: Store, save_ws: int,
                                    load_ws: tuple[int, ...]) -> None:
-        self._need("multi_process", "the store is private to one process")
+        self._need(store, "multi_process", "the store is private to one process")
         url = store.url()
         kw = {"storage_options": store.storage_options, "transfer": SMALL_PARTS}
         stats = run_ranks(save_ws, save_on_ranks, url, kw)
@@ -215,7 +237,10 @@ class CheckpointStoreTests:
     # ---- 3. async_save ------------------------------------------------------------------
     @pytest.mark.parametrize("checkpointer", ["thread", "process"], ids=["thread", "process"])
     def test_async_save_training_continues(self, store: Store, checkpointer: str) -> None:
-        self._need("multi_process", "async_save needs a process group and a shared store")
+        self._need(store, "multi_process", "async_save needs a process group and a shared store")
+        if checkpointer == "process" and not HAS_PROCESS_ASYNC_SAVE:
+            pytest.skip(f"needs dcp.async_save(async_checkpointer_type=AsyncCheckpointerType"
+                        f".PROCESS), which torch {TORCH_VERSION} lacks")
         url = store.url()
         opts = store.storage_options
         proxy = None
@@ -272,12 +297,13 @@ class CheckpointStoreTests:
 
     # ---- 5. killed mid-upload ----------------------------------------------------------
     def test_killed_mid_save_leaves_no_metadata(self, store: Store, tmp_path: Any) -> None:
-        self._need("multi_process", "the store is private to one process")
+        self._need(store, "multi_process", "the store is private to one process")
         url = store.url()
         script = tmp_path / "victim.py"
         script.write_text(textwrap.dedent(f"""
             import pickle, sys, torch, torch.distributed.checkpoint as dcp
             from dcp_volumes import VolumeWriter, SpoolOptions, TransferOptions
+            from dcp_volumes._compat import no_dist
             from dcp_volumes.testing.suite import SlowPlanner
             opts = pickle.loads(bytes.fromhex(sys.argv[1]))
             state = {{f"t{{i}}": torch.randn(400_000) for i in range(40)}}
@@ -287,7 +313,7 @@ class CheckpointStoreTests:
             dcp.save(state, storage_writer=VolumeWriter({url!r}, storage_options=opts,
                      spool=SpoolOptions(files_per_rank=20),
                      transfer=TransferOptions(part_size=5 << 20, max_concurrency=2)),
-                     planner=SlowPlanner(0.1), no_dist=True)
+                     planner=SlowPlanner(0.1), **no_dist())
             print("done", flush=True)
         """))
         proc = subprocess.Popen([sys.executable, str(script),
@@ -347,7 +373,7 @@ class CheckpointStoreTests:
         injected = sum(r.injected for r in per_rule)
         assert_state_equal(out, state)
         assert injected >= 4
-        if self.retries_visible:
+        if self._has(store, "retries_visible"):
             assert writer.last_stats is not None and reader.last_stats is not None
             assert writer.last_stats.retries + reader.last_stats.retries >= 3, (
                 writer.last_stats, reader.last_stats, per_rule)
@@ -396,7 +422,7 @@ class CheckpointStoreTests:
         assert any(isinstance(e, errors.UploadError) for e in errs), errs
         assert elapsed < self.persistent_fault_timeout_s
         assert ".metadata" not in store.names(url)
-        if self.multipart_listing:
+        if self._has(store, "multipart_listing"):
             assert _open_multipart_uploads(store, url) == []
 
     # ---- 8. overwrite semantics --------------------------------------------------------
@@ -449,7 +475,7 @@ class CheckpointStoreTests:
         assert final["v"] == 3.0
 
     def test_concurrent_first_saves_exactly_one_commits(self, store: Store) -> None:
-        self._need("conditional_create", "no conditional create on this backend")
+        self._need(store, "conditional_create", "no conditional create on this backend")
         url = store.url()
         barrier = threading.Barrier(2)
         outcomes: dict[float, BaseException | None] = {}
@@ -649,13 +675,9 @@ def _shards_complete(fs: fsspec.AbstractFileSystem, root: str) -> bool:
 
 
 def _open_multipart_uploads(store: Store, url: str) -> list[str]:
-    import boto3
-
-    opts = store.storage_options
     bucket, _, prefix = store.raw_path(url).partition("/")
-    client = boto3.client("s3", endpoint_url=opts["endpoint_url"], aws_access_key_id=opts["key"],
-                          aws_secret_access_key=opts["secret"], region_name="us-east-1")
-    resp = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
+    # Behind the writer's back: a separate s3fs instance's own client call.
+    resp = store.raw_fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
     return [u["Key"] for u in resp.get("Uploads", [])]
 
 

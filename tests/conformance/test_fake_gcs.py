@@ -14,7 +14,6 @@ pytestmark = pytest.mark.xdist_group("fake-gcs")
 
 
 class TestFakeGCS(CheckpointStoreTests):
-    retries_visible = False
     persistent_fault_timeout_s = 120.0
 
     @pytest.fixture

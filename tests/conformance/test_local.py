@@ -18,8 +18,6 @@ class TestLocal(CheckpointStoreTests):
 
 
 class TestMemory(CheckpointStoreTests):
-    multi_process = False  # memory:// lives inside one process
-
     @pytest.fixture
     def store(self) -> Store:
         return Store(root=f"memory://dcpv-conformance/{uuid.uuid4().hex}")

@@ -10,8 +10,6 @@ pytestmark = pytest.mark.xdist_group("moto")
 
 
 class TestMoto(CheckpointStoreTests):
-    multipart_listing = True
-
     @pytest.fixture
     def store(self, moto) -> Store:
         return moto.store(secrets=(moto.server.storage_options()["secret"],))

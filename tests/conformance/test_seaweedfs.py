@@ -10,7 +10,6 @@ pytestmark = pytest.mark.xdist_group("seaweedfs")
 
 
 class TestSeaweedFS(CheckpointStoreTests):
-    multipart_listing = True
     verifies_upload_checksums = True
 
     @pytest.fixture

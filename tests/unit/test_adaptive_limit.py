@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from dcp_volumes._transfer import NEAR_START, AdaptiveLimit
+from dcp_volumes.transfer.adaptive import NEAR_START, AdaptiveLimit
 
 
 async def _one(limit: AdaptiveLimit, serve) -> None:

@@ -27,6 +27,7 @@ from dcp_volumes import (
     VolumeWriter,
     errors,
 )
+from dcp_volumes._compat import no_dist
 from dcp_volumes.testing.states import assert_state_equal, mixed_state, zeros_like_state
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -50,13 +51,13 @@ def failures_of(exc: BaseException) -> list[BaseException]:
 
 def save(state, url, **kw):
     writer = VolumeWriter(url, transfer=kw.pop("transfer", SMALL_PARTS), **kw)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    dcp.save(state, storage_writer=writer, **no_dist())
     return writer
 
 
 def load(state, url, **kw):
     reader = VolumeReader(url, **kw)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, **no_dist())
     return reader
 
 
@@ -93,7 +94,7 @@ def test_stock_torch_reader_loads_our_checkpoint(tmp_path) -> None:
     state = mixed_state()
     save(state, url)
     out = zeros_like_state(state)
-    dcp.load(out, storage_reader=dcp.FileSystemReader(url), no_dist=True)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(url), **no_dist())
     assert_state_equal(out, state)
 
 
@@ -104,14 +105,14 @@ def test_fsspec_reader_loads_our_checkpoint_from_memory() -> None:
     state = {"a": torch.randn(100, 10), "n": {"k": 3}}
     save(state, url)
     out = {"a": torch.zeros(100, 10), "n": {"k": 0}}
-    dcp.load(out, storage_reader=FsspecReader(url), no_dist=True)
+    dcp.load(out, storage_reader=FsspecReader(url), **no_dist())
     assert torch.equal(out["a"], state["a"]) and out["n"]["k"] == 3
 
 
 def test_we_load_stock_torch_checkpoint(tmp_path, caplog) -> None:
     url = str(tmp_path / "theirs")
     state = mixed_state()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(url, sync_files=False), no_dist=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(url, sync_files=False), **no_dist())
     out = zeros_like_state(state)
     with caplog.at_level("DEBUG", logger="dcp_volumes"):
         reader = load(out, url)
@@ -159,7 +160,7 @@ def test_failed_save_leaves_no_metadata_and_cleans_up(url: str, tmp_path) -> Non
         dcp.save(state, storage_writer=VolumeWriter(
             url, transfer=SMALL_PARTS, spool=SpoolOptions(directory=str(spool),
                                                           files_per_rank=1)),
-            planner=FailingPlanner(), no_dist=True)
+            planner=FailingPlanner(), **no_dist())
     assert ".metadata" not in list_names(url)
     assert [n for n in list_names(url) if n.endswith(".distcp")] == []
     assert os.listdir(spool) == []
@@ -290,7 +291,7 @@ def test_sync_save_after_async_stage_uses_staged_values(url: str) -> None:
     state = {"a": torch.arange(1000.0)}
     staged = writer.stage(state)
     state["a"].zero_()  # training goes on after staging
-    dcp.save(staged, storage_writer=writer, no_dist=True)
+    dcp.save(staged, storage_writer=writer, **no_dist())
     out = {"a": torch.zeros(1000)}
     load(out, url)
     assert torch.equal(out["a"], torch.arange(1000.0))

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from dcp_volumes import cli
+from dcp_volumes.bench.costs import checkpoint_cost_from_bench
+from dcp_volumes.cli.plan import plot_goodput
 from dcp_volumes.errors import ConfigError, DCPVolumesError
 from dcp_volumes.goodput import (
     DEFAULT_INTERVALS_S,
     FailureModel,
     Plan,
-    checkpoint_cost_from_bench,
     daly_interval_s,
     expected_goodput,
     expected_rework_s,
@@ -27,7 +28,6 @@ from dcp_volumes.goodput import (
     interruption_probability,
     parse_duration_s,
     plan_intervals,
-    plot_goodput,
     young_interval_s,
 )
 

@@ -1,0 +1,112 @@
+"""``dcp_volumes.save`` / ``dcp_volumes.load``: DCP's calls with our writer/reader, raising
+our typed errors.
+
+``dcp.load`` catches whatever ``read_metadata`` raises and re-raises an ``AssertionError``
+carrying its message, and both calls wrap a rank's failure in a ``CheckpointException``; so
+``except IncompleteCheckpointError`` around plain ``dcp.load`` never matches. These wrappers
+re-raise the typed error (``from`` the original) so callers can tell "no checkpoint" from
+"damaged" from "unreachable".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_volumes import _compat, errors
+from dcp_volumes.reader import VolumeReader
+from dcp_volumes.writer import VolumeWriter
+
+__all__ = ["load", "reraise_typed", "save", "typed_failure"]
+
+
+def typed_failure(exc: BaseException) -> errors.DCPVolumesError | None:
+    """The dcp_volumes error behind what ``dcp.save``/``dcp.load`` raised, if there is one."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        if isinstance(cur, errors.DCPVolumesError):
+            return cur
+        if isinstance(cur, CheckpointException):
+            for failure in cur.failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                found = typed_failure(inner) if isinstance(inner, BaseException) else None
+                if found is not None:
+                    return found
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def reraise_typed(exc: BaseException, recorded: errors.DCPVolumesError | None) -> None:
+    """Raise the typed error behind ``exc`` (``recorded`` first), if any; else return."""
+    typed = recorded or typed_failure(exc)
+    if typed is not None and typed is not exc:
+        raise typed  # keeps its own cause (the backend error); DCP's exception is its context
+
+
+def _alone(no_dist: bool) -> dict[str, bool]:
+    return _compat.no_dist() if no_dist else {}
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    /,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    planner: Any = None,
+    no_dist: bool = False,
+    safe_globals: Sequence[Any] = (),
+    **reader_options: Any,
+) -> VolumeReader:
+    """``dcp.load(state_dict, storage_reader=VolumeReader(path, ...))`` in place, raising
+    :class:`~dcp_volumes.errors.DCPVolumesError` subclasses on failure.
+
+    ``no_dist=True`` loads in this process alone (DCP's ``no_dist``); other keywords go to
+    :class:`~dcp_volumes.VolumeReader`. Returns the reader (``last_stats`` has the figures).
+    """
+    reader = VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
+                          **reader_options)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                 **_alone(no_dist))
+    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+        reraise_typed(exc, reader.last_error)
+        raise
+    return reader
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    /,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    planner: Any = None,
+    no_dist: bool = False,
+    **writer_options: Any,
+) -> VolumeWriter:
+    """``dcp.save(state_dict, storage_writer=VolumeWriter(path, ...))``, raising
+    :class:`~dcp_volumes.errors.DCPVolumesError` subclasses on failure.
+
+    ``no_dist=True`` saves from this process alone (DCP's ``no_dist``); other keywords go to
+    :class:`~dcp_volumes.VolumeWriter`. Returns the writer (``last_stats`` has the figures).
+    """
+    writer = VolumeWriter(path, storage_options=storage_options, **writer_options)
+    try:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                 **_alone(no_dist))
+    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+        reraise_typed(exc, None)
+        raise
+    finally:
+        writer.close()
+    return writer

@@ -1,0 +1,456 @@
+"""The backend interface: one resolved checkpoint location and every call made to its store.
+
+A :class:`Backend` owns the filesystem client, the event loop its calls run on, and the one
+choke point (:meth:`Backend.call`) through which every request goes: retries of transient
+errors with capped exponential backoff and full jitter, and translation of the final error
+into :mod:`dcp_volumes.errors` (:mod:`dcp_volumes.backends.translate`). Each store's module
+subclasses it, states its capabilities as class attributes, and overrides the raw calls
+that differ from plain fsspec. Nothing outside :mod:`dcp_volumes.backends` branches on
+which store it talks to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import fsspec
+import fsspec.asyn
+
+from dcp_volumes import errors
+from dcp_volumes.backends.translate import (
+    is_transient,
+    redact_url,
+    status_and_code,
+    translate_error,
+)
+from dcp_volumes.config import RetryOptions
+
+if TYPE_CHECKING:
+    from dcp_volumes.backends.sink import Sink
+
+__all__ = ["Backend", "CallStats", "ObjectInfo", "StaleUpload", "never_retry", "to_epoch"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def never_retry(_: BaseException) -> bool:
+    """``retry_if`` for calls that cannot be repeated (a stream cannot be rewound)."""
+    return False
+
+
+@dataclass
+class CallStats:
+    """Counters shared by every call of one save or load."""
+
+    retries: int = 0
+    requests: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, *, retries: int = 0, requests: int = 0) -> None:
+        with self._lock:
+            self.retries += retries
+            self.requests += requests
+
+
+def to_epoch(value: Any) -> float | None:
+    """Seconds since the epoch from what stores put in listings (naive datetimes are UTC)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return value.timestamp()
+    if isinstance(value, str):
+        try:
+            return to_epoch(_dt.datetime.fromisoformat(value.replace("Z", "+00:00")))
+        except ValueError:
+            return None
+    return None
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object found by :meth:`Backend.scan`."""
+
+    name: str  # relative to the root
+    size: int
+    mtime: float | None  # epoch seconds, when the store reports it
+
+
+@dataclass(frozen=True)
+class StaleUpload:
+    """An unfinished multipart upload (invisible to listings, billed by the store)."""
+
+    key: str  # "bucket/key", as the backend names objects
+    upload_id: str
+    initiated: float | None  # epoch seconds
+
+
+class Backend:
+    """A resolved checkpoint location: filesystem, root path, retry policy and capabilities.
+
+    Backends hold live clients and are never pickled; writers and readers create them
+    lazily from their (picklable) URL and options (:mod:`dcp_volumes._location`).
+
+    Capabilities (class attributes, read by the conformance suite and the catalog):
+        object_store: a bucket-based store; the URL must name a path inside a bucket.
+        conditional_create: ``.metadata`` can be created exclusively (of two racing saves,
+            exactly one commits).
+        shared_across_processes: other processes (ranks, async_save workers) see the store.
+        retries_visible: transient errors reach our retry loop (and so the figures); False
+            where the client retries inside its own streaming writer.
+        lists_stale_uploads: unfinished multipart uploads can be listed and aborted.
+        sends_part_checksums: every upload request carries the part's CRC32C, which the
+            store may verify.
+        has_directories: real directories that outlive their files (pruned after deletes).
+    """
+
+    name: ClassVar[str] = "fsspec"
+    #: the ``pip install dcp-volumes[extra]`` that brings this store's filesystem
+    extra: ClassVar[str] = "all"
+    object_store: ClassVar[bool] = False
+    conditional_create: ClassVar[bool] = True
+    shared_across_processes: ClassVar[bool] = True
+    retries_visible: ClassVar[bool] = True
+    lists_stale_uploads: ClassVar[bool] = False
+    sends_part_checksums: ClassVar[bool] = False
+    has_directories: ClassVar[bool] = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None,
+                 retry: RetryOptions) -> None:
+        self.url = url.rstrip("/") if url not in ("/",) else url
+        self.scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+        self.retry = retry
+        opts = self.client_options(dict(storage_options or {}))
+        try:
+            fs, root = fsspec.url_to_fs(url, **opts)
+        except ImportError as exc:
+            raise errors.ConfigError(
+                f"the filesystem for {redact_url(url)} is not installed: "
+                f"pip install 'dcp-volumes[{self.extra}]'"
+            ) from exc
+        except ValueError as exc:
+            raise errors.ConfigError(
+                f"cannot open {redact_url(url)}: {type(exc).__name__}; "
+                "use a URL like s3://bucket/path, gs://, az://, file:// or memory://"
+            ) from exc
+        except OSError as exc:  # a filesystem that connects on construction (ftp, sftp, ...)
+            raise errors.ConfigError(
+                f"cannot reach the store of {redact_url(url)} ({type(exc).__name__}): check the "
+                "host name in the URL and the network"
+            ) from exc
+        self.fs = fs
+        self.root = self.normalize_root(root)
+        if self.object_store and (not self.root or "/" not in self.root.strip("/")):
+            raise errors.ConfigError(
+                f"{redact_url(url)} names no path inside the bucket: "
+                f"use a URL like {self.scheme}://bucket/run/step-100"
+            )
+        self.is_async = bool(getattr(fs, "async_impl", False))
+        self.loop = fs.loop if self.is_async else fsspec.asyn.get_loop()
+
+    # ---- configuration hooks -----------------------------------------------------------
+    @classmethod
+    def client_options(cls, opts: dict[str, Any]) -> dict[str, Any]:
+        """The fsspec options to open the filesystem with (defaults added to the user's)."""
+        return opts
+
+    @classmethod
+    def cli_options(cls, *, endpoint: str | None, anon: bool, url: str) -> dict[str, Any]:
+        """fsspec options for the CLI's ``--endpoint-url`` / ``--anon`` flags."""
+        if endpoint:
+            raise errors.ConfigError(
+                f"--endpoint-url does not apply to {redact_url(url)!r}: it is for s3://, gs:// "
+                "and az:// URLs"
+            )
+        if anon:
+            raise errors.ConfigError(f"--anon does not apply to {redact_url(url)!r}")
+        return {}
+
+    def normalize_root(self, root: str) -> str:
+        return root.rstrip("/")
+
+    # ---- paths -------------------------------------------------------------------------
+    def path(self, relative: str) -> str:
+        """Backend path (no scheme) of an object under the checkpoint root."""
+        return f"{self.root}/{relative}"
+
+    def object_url(self, relative: str) -> str:
+        return f"{self.url}/{relative}"
+
+    @property
+    def bucket(self) -> str:
+        """The bucket/container of an object store (the root's first component)."""
+        return self.root.split("/", 1)[0]
+
+    # ---- the sync/async bridge ---------------------------------------------------------
+    def run(self, coro_fn: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run ``coro_fn()`` on this backend's event loop and wait for it."""
+        return fsspec.asyn.sync(self.loop, coro_fn, timeout=timeout)  # type: ignore[no-any-return]
+
+    async def fs_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call a filesystem method, async if the filesystem is, else in a worker thread."""
+        if self.is_async:
+            return await getattr(self.fs, "_" + name)(*args, **kwargs)
+        return await asyncio.to_thread(getattr(self.fs, name), *args, **kwargs)
+
+    # ---- the choke point ---------------------------------------------------------------
+    async def call(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        op: str,
+        url: str,
+        stats: CallStats | None = None,
+        retry_if: Callable[[BaseException], bool] = is_transient,
+    ) -> T:
+        """Await ``fn()`` with retries on transient errors; translate the final error."""
+        policy = self.retry
+        attempt = 0
+        start = time.monotonic()
+        while True:
+            attempt += 1
+            try:
+                if policy.deadline_s is None:
+                    result = await fn()
+                else:  # the deadline bounds the request end to end, a hung attempt included
+                    remaining = policy.deadline_s - (time.monotonic() - start)
+                    result = await asyncio.wait_for(fn(), timeout=max(remaining, 0.001))
+                if stats is not None:
+                    stats.add(requests=1)
+                return result
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                elapsed = time.monotonic() - start
+                if (
+                    not retry_if(exc)
+                    or attempt >= policy.max_attempts
+                    or (policy.deadline_s is not None and elapsed >= policy.deadline_s)
+                ):
+                    logger.debug("%s %s failed on attempt %d: %s", op, redact_url(url), attempt,
+                                 type(exc).__name__)
+                    raise translate_error(exc, url=url, op=op) from exc
+                backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** (attempt - 1))
+                delay = random.uniform(0, backoff) if policy.jitter else backoff
+                if policy.deadline_s is not None:
+                    delay = min(delay, max(0.0, policy.deadline_s - elapsed))
+                status, code = status_and_code(exc)
+                logger.warning(
+                    "%s %s: transient %s, retry %d/%d in %.2fs", op, redact_url(url),
+                    code or (f"HTTP {status}" if status else type(exc).__name__),
+                    attempt, policy.max_attempts - 1, delay,
+                )
+                if stats is not None:
+                    stats.add(retries=1, requests=1)
+                await asyncio.sleep(delay)
+
+    # ---- latency probe -----------------------------------------------------------------
+    async def _ping(self) -> Any:
+        """One cheap request to the store; ``None``-returning stores have no probe."""
+        return None
+
+    has_probe: ClassVar[bool] = False
+
+    async def round_trip_s(self, samples: int = 3) -> float | None:
+        """The fastest of ``samples`` cheap requests to the store, in seconds; ``None`` where
+        the store has no probe or one fails (a probe never fails a save)."""
+        if not self.has_probe:
+            return None
+        best = float("inf")
+        for _ in range(samples):
+            started = time.monotonic()
+            try:
+                await self._ping()
+            except Exception:  # noqa: BLE001 — only a hint; the save's own requests report errors
+                return None
+            best = min(best, time.monotonic() - started)
+        return best
+
+    # ---- raw single-attempt operations (overridden per store) ---------------------------
+    async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
+        return await self.fs_call("cat_file", self.path(relative), start=start,  # type: ignore[no-any-return]
+                                  end=end)
+
+    async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:
+        extra: dict[str, Any] = {"mode": "create"} if exclusive else {}
+        await self.fs_call("pipe_file", self.path(relative), data, **extra)
+
+    async def _commit_once(self, relative: str, data: bytes, *, exclusive: bool,
+                           save_id: str) -> None:
+        """One attempt at writing ``relative`` atomically (conditional create if
+        ``exclusive``); a refused create raises something translated to
+        :class:`~dcp_volumes.errors.CheckpointExistsError`."""
+        await self._put(relative, data, exclusive=exclusive)
+
+    # ---- small object operations -------------------------------------------------------
+    async def cat(self, relative: str, *, op: str = "download", stats: CallStats | None = None,
+                  start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of an object (all of it by default)."""
+        return await self.call(lambda: self._get(relative, start, end), op=op,
+                               url=self.object_url(relative), stats=stats)
+
+    async def put(self, relative: str, data: bytes, *, stats: CallStats | None = None,
+                  exclusive: bool = False) -> None:
+        """Write a small object in one request (conditional create when ``exclusive``)."""
+        await self.call(lambda: self._put(relative, data, exclusive=exclusive), op="upload",
+                        url=self.object_url(relative), stats=stats)
+
+    async def commit(self, relative: str, data: bytes, *, exclusive: bool, save_id: str,
+                     stats: CallStats | None = None) -> None:
+        """Write ``relative`` in one atomic operation, retried through the choke point."""
+        await self.call(
+            lambda: self._commit_once(relative, data, exclusive=exclusive, save_id=save_id),
+            op="commit", url=self.object_url(relative), stats=stats,
+        )
+
+    async def info(self, relative: str, *, stats: CallStats | None = None
+                   ) -> dict[str, Any] | None:
+        """The object's fsspec info (``size``, ``type``, ...), ``None`` when it is absent."""
+        path = self.path(relative)
+        self.fs.invalidate_cache(path)  # other processes write here: never trust a cache
+        try:
+            return await self.call(lambda: self.fs_call("info", path), op="read",  # type: ignore[no-any-return]
+                                   url=self.object_url(relative), stats=stats)
+        except errors.ObjectNotFoundError:
+            return None
+
+    async def exists(self, relative: str) -> bool:
+        return await self.info(relative) is not None
+
+    async def size(self, relative: str, *, stats: CallStats | None = None) -> int | None:
+        """The object's size in bytes, ``None`` when it is absent."""
+        info = await self.info(relative, stats=stats)
+        return None if info is None else int(info.get("size") or 0)
+
+    async def list_names(self) -> list[str]:
+        """Names of the objects directly under the root (empty when the root is absent)."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = await self.call(lambda: self.fs_call("ls", self.root, detail=False),
+                                      op="list", url=self.url)
+        except errors.ObjectNotFoundError:
+            return []
+        prefix = self.root.rstrip("/") + "/"
+        names = []
+        for entry in entries:
+            entry = str(entry)
+            name = entry[len(prefix):] if entry.startswith(prefix) else entry.rsplit("/", 1)[-1]
+            if name and name != self.root:
+                names.append(name)
+        return names
+
+    #: listing fields that carry an object's modification time, in order of preference
+    mtime_fields: ClassVar[tuple[str, ...]] = ("mtime", "LastModified", "last_modified",
+                                               "updated", "created")
+
+    def mtime_of(self, info: dict[str, Any]) -> float | None:
+        for key in self.mtime_fields:
+            if key in info:
+                t = to_epoch(info[key])
+                if t is not None:
+                    return t
+        return None
+
+    async def scan(self) -> list[ObjectInfo]:
+        """Every object under the root, recursively, in one listing.
+
+        An empty listing of an object store checks that the bucket exists.
+        """
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = await self.call(lambda: self.fs_call("find", self.root, detail=True),
+                                    op="list", url=self.url)
+        except errors.ObjectNotFoundError:
+            found = {}
+        prefix = self.root.rstrip("/") + "/"
+        out: list[ObjectInfo] = []
+        for path, info in dict(found).items():
+            path = str(path)
+            if not path.startswith(prefix) or info.get("type", "file") != "file":
+                continue
+            rel = path[len(prefix):]
+            if rel and not rel.endswith("/"):
+                out.append(ObjectInfo(rel, int(info.get("size") or 0), self.mtime_of(info)))
+        if not out and self.object_store:
+            await self.check_bucket()  # an empty prefix is fine, a missing bucket is not
+        return out
+
+    async def remove(self, relatives: list[str]) -> None:
+        """Delete objects (missing ones are fine). Raises only on real failures."""
+        if not relatives:
+            return
+
+        async def _rm_one(rel: str) -> None:
+            p = self.path(rel)
+            try:
+                await self.call(lambda: self.fs_call("rm_file", p), op="delete",
+                                url=self.object_url(rel))
+            except errors.ObjectNotFoundError:
+                pass
+
+        await asyncio.gather(*(_rm_one(r) for r in relatives))
+        self.fs.invalidate_cache(self.root)
+
+    async def prune_empty_dirs(self, relative: str = "") -> None:
+        """Remove directories left empty under ``relative`` (stores with real directories)."""
+
+    async def check_bucket(self) -> None:
+        """Fail fast (before any byte moves) on a missing bucket, refused credentials, or a
+        checkpoint path that is an existing file/object."""
+        if self.object_store:
+            await self._check_bucket_exists()
+        try:
+            info = await self.call(lambda: self.fs_call("info", self.root), op="list",
+                                   url=self.url)
+        except errors.ObjectNotFoundError:
+            return
+        if info.get("type") == "file":
+            raise errors.ConfigError(
+                f"{redact_url(self.url)} is a file/object, not a directory: choose a "
+                "directory-like path"
+            )
+
+    async def _check_bucket_exists(self) -> None:
+        bucket = self.bucket
+        try:
+            await self.call(lambda: self.fs_call("ls", self.root, detail=False), op="list",
+                            url=self.url)
+        except errors.ObjectNotFoundError:
+            # An empty prefix is fine; the bucket itself must exist.
+            self.fs.invalidate_cache(bucket)
+            if not await self.call(lambda: self.fs_call("exists", bucket), op="list",
+                                   url=self.url):
+                raise errors.BucketNotFoundError(
+                    f"bucket/container {bucket!r} of {redact_url(self.url)} does not exist: "
+                    "create it or fix the URL"
+                ) from None
+
+    # ---- uploads -----------------------------------------------------------------------
+    def make_sink(self, relative: str, stats: CallStats, part_size: int) -> Sink:
+        """The sink that makes one shard file durable, part by part."""
+        from dcp_volumes.backends.sink import StreamSink
+
+        return StreamSink(self, relative, stats, part_size)
+
+    async def stale_uploads(self, older_than_s: float, now: float) -> list[StaleUpload]:
+        """Unfinished multipart uploads under the root initiated ``older_than_s`` ago."""
+        return []
+
+    async def abort_upload(self, upload: StaleUpload) -> None:
+        """Abort one of :meth:`stale_uploads` (gone meanwhile is fine)."""
+        raise errors.DCPVolumesError(f"{self.name} has no multipart uploads to abort")

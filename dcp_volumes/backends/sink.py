@@ -1,0 +1,93 @@
+"""Sinks: how one shard file becomes durable in a store, part by part.
+
+A backend's :meth:`~dcp_volumes.backends.base.Backend.make_sink` returns one per file; the
+uploader (:mod:`dcp_volumes.transfer.upload`) feeds it parts as the spool fills them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+from dcp_volumes._spool import Part
+from dcp_volumes.backends.base import Backend, CallStats, never_retry
+
+__all__ = ["Sink", "StreamSink"]
+
+logger = logging.getLogger(__name__)
+
+
+class Sink:
+    """Receives the parts of one object and makes it durable."""
+
+    #: parts must arrive in order (a stream); else they may arrive in any order
+    ordered: ClassVar[bool] = False
+
+    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+        self.backend = backend
+        self.relative = relative
+        self.path = backend.path(relative)
+        self.url = backend.object_url(relative)
+        self.stats = stats
+
+    async def prepare(self) -> None:
+        """Optional early set-up for a file expected to span several parts."""
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        raise NotImplementedError
+
+    async def complete(self, nparts: int) -> None:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        """Undo whatever was uploaded (best effort, never raises)."""
+
+    async def _remove_quietly(self) -> None:
+        try:
+            await self.backend.remove([self.relative])
+        except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
+            logger.warning("could not clean up %s after a failed save: %s", self.url,
+                           type(exc).__name__)
+
+
+class StreamSink(Sink):
+    """Writes parts in order through the filesystem's own file object."""
+
+    ordered = True
+
+    def __init__(self, backend: Backend, relative: str, stats: CallStats, part_size: int) -> None:
+        super().__init__(backend, relative, stats)
+        self._file: Any = None
+        self._part_size = part_size
+
+    def open_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of ``fs.open`` for this store's writer."""
+        return {}
+
+    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+        def _write() -> None:
+            if self._file is None:
+                self._file = self.backend.fs.open(self.path, "wb", **self.open_kwargs())
+            self._file.write(bytes(data))
+
+        # The filesystem retries inside its writer; a stream cannot be rewound to retry here.
+        await self.backend.call(lambda: asyncio.to_thread(_write), op="upload", url=self.url,
+                                stats=self.stats, retry_if=never_retry)
+
+    async def complete(self, nparts: int) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            await self.backend.call(lambda: asyncio.to_thread(f.close), op="upload",
+                                    url=self.url, stats=self.stats, retry_if=never_retry)
+
+    async def abort(self) -> None:
+        f, self._file = self._file, None
+        try:
+            if f is not None:
+                discard = getattr(f, "discard", None)
+                await asyncio.to_thread(discard if discard else f.close)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not discard the writer of %s: %s", self.url,
+                           type(exc).__name__)
+        await self._remove_quietly()

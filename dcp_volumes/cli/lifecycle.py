@@ -1,0 +1,394 @@
+"""The lifecycle commands: ``ls``, ``latest``, ``info``, ``verify``, ``rm`` and ``gc``.
+
+They take the storage flags (:func:`~dcp_volumes.cli._options.storage_options_parser`) and
+call :mod:`dcp_volumes.catalog`. Only ``info``, ``verify`` and ``gc`` import torch (they
+unpickle ``.metadata``); ``ls``, ``latest`` and ``rm`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from dcp_volumes.cli._format import (
+    human_bytes,
+    plural,
+    print_json,
+    print_table,
+    progress_bar,
+    redact,
+    when,
+)
+from dcp_volumes.cli._main import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, PROG
+from dcp_volumes.cli._options import (
+    add_step_pattern,
+    age_s,
+    positive_count,
+    storage_options_for,
+    storage_options_parser,
+)
+
+if TYPE_CHECKING:
+    from dcp_volumes.catalog import CheckpointDetails, CheckpointInfo, GcReport, VerifyReport
+
+__all__ = ["register"]
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``ls``, ``latest``, ``info``, ``verify``, ``rm`` and ``gc`` to ``sub``."""
+    for add in (_add_ls, _add_latest, _add_info, _add_verify, _add_rm, _add_gc):
+        add(sub, common)
+
+
+def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "ls",
+        parents=[common, storage_options_parser()],
+        help="list the checkpoints under a run root",
+        description=(
+            "List the checkpoints under a run root: step, complete or not, size, objects,\n"
+            "commit time. One recursive listing of the root, however many checkpoints."
+        ),
+        epilog="examples:\n  dcp-volumes ls s3://bucket/run-42/\n  dcp-volumes ls /ckpt/run-1 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="run root: s3://bucket/run/, gs://, az://, a dir")
+    add_step_pattern(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_ls)
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import list_checkpoints
+
+    infos = list_checkpoints(
+        args.root,
+        storage_options=storage_options_for(args, args.root),
+        step_pattern=args.step_pattern,
+    )
+    if args.json:
+        print_json({"root": redact(args.root), "checkpoints": [_info_doc(i) for i in infos]})
+        return EXIT_OK
+    if not infos:
+        print(f"no checkpoints under {redact(args.root)}", file=sys.stderr)
+        return EXIT_OK
+    rows = [
+        [
+            "-" if i.step is None else str(i.step),
+            i.name,
+            i.status,
+            human_bytes(i.bytes),
+            str(i.objects),
+            when(i.commit_time),
+        ]
+        for i in infos
+    ]
+    complete = sum(i.complete for i in infos)
+    print_table(
+        ["step", "name", "status", "size", "objects", "committed (UTC)"],
+        rows,
+        right={0, 3, 4},
+        styles=[None if i.complete else "yellow" for i in infos],
+    )
+    print(
+        f"{plural(len(infos), 'checkpoint')} ({complete} complete, {len(infos) - complete} "
+        f"incomplete), {human_bytes(sum(i.bytes for i in infos))}"
+    )
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# latest
+
+
+def _add_latest(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "latest",
+        parents=[common, storage_options_parser()],
+        help="print the URL of the newest complete checkpoint",
+        description=(
+            "Print the URL of the newest complete checkpoint (highest step) under a run root.\n"
+            "Exit code 3 when there is none, so scripts can branch on it."
+        ),
+        epilog='example:\n  url=$(dcp-volumes latest s3://bucket/run-42/) && echo "resume from $url"',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="run root")
+    add_step_pattern(p)
+    p.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
+    p.set_defaults(handler=_run_latest)
+
+
+def _run_latest(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import latest
+
+    info = latest(
+        args.root,
+        storage_options=storage_options_for(args, args.root),
+        step_pattern=args.step_pattern,
+    )
+    if info is None:
+        if args.json:
+            print_json(None)
+        print(f"{PROG}: no complete checkpoint under {redact(args.root)}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    if args.json:
+        print_json(_info_doc(info))
+    else:
+        print(redact(info.url))
+    return EXIT_OK
+
+
+def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    return {**info.as_dict(), "url": redact(info.url)}
+
+
+# --------------------------------------------------------------------------------------------
+# info
+
+
+def _add_info(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "info",
+        parents=[common, storage_options_parser()],
+        help="show a checkpoint's state-dict keys, shapes, dtypes and sizes",
+        description=(
+            "Show what a checkpoint holds (state-dict keys, shapes, dtypes, sizes) and how it\n"
+            "was saved (time, writer and torch version, world size), from .metadata and the\n"
+            "manifest. Reads no shard data."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="checkpoint URL, e.g. s3://bucket/run/step-100")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_info)
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import describe
+
+    details = describe(args.url, storage_options=storage_options_for(args, args.url))
+    if args.json:
+        print_json(details.as_dict())
+        return EXIT_OK
+    _print_details(details)
+    return EXIT_OK
+
+
+def _print_details(d: CheckpointDetails) -> None:
+    world = (
+        str(d.world_size)
+        if d.world_size is not None
+        else f"unknown ({d.ranks_in_files} ranks wrote files)"
+    )
+    summary = [
+        ("checkpoint", d.url),
+        ("saved", when(d.save_time) + (" UTC" if d.save_time is not None else "")),
+        ("save id", d.save_id or "-"),
+        ("writer", d.writer or "not dcp_volumes (no manifest)"),
+        ("torch", d.torch_version or "-"),
+        ("world size", world),
+        ("checksums", "yes (CRC32C per item)" if d.checksummed else "no"),
+        ("stored", f"{human_bytes(d.total_bytes)} in {d.objects} objects ({d.files} shard files)"),
+        ("entries", str(len(d.entries))),
+    ]
+    for key, value in summary:
+        print(f"{key:<12}{value}")
+    print()
+    rows = [
+        [
+            e.key,
+            e.dtype or "object",
+            "-" if e.shape is None else "x".join(map(str, e.shape)) or "scalar",
+            "-" if e.nbytes is None else human_bytes(e.nbytes),
+            human_bytes(e.stored_bytes),
+            str(e.chunks),
+        ]
+        for e in d.entries
+    ]
+    print_table(["key", "dtype", "shape", "size", "stored", "chunks"], rows, right={3, 4, 5})
+
+
+# --------------------------------------------------------------------------------------------
+# verify
+
+
+def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "verify",
+        parents=[common, storage_options_parser()],
+        help="re-read a checkpoint and check every item's size and CRC32C",
+        description=(
+            "Read every shard file back (each once, in ranged reads) and check sizes and\n"
+            "CRC32C against the manifest. Checkpoints written by torch's own writers have no\n"
+            "manifest: only that their files exist and are large enough is checked.\n"
+            "Exit code 1 on any mismatch."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="checkpoint URL")
+    p.add_argument(
+        "--concurrency", type=positive_count, default=4, metavar="N", help="files read at once (4)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import verify
+
+    with progress_bar("verify", enabled=not args.json, unit="bytes") as progress:
+        report = verify(
+            args.url,
+            storage_options=storage_options_for(args, args.url),
+            max_concurrency=args.concurrency,
+            progress=progress,
+        )
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        _print_verify(report)
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+def _print_verify(r: VerifyReport) -> None:
+    rows = [
+        [
+            f.name,
+            f.status,
+            human_bytes(f.expected_size),
+            "-" if f.actual_size is None else human_bytes(f.actual_size),
+        ]
+        for f in r.files
+    ]
+    print_table(
+        ["file", "status", "expected", "stored"],
+        rows,
+        right={2, 3},
+        styles=[None if f.ok else "bold red" for f in r.files],
+    )
+    for f in r.files:
+        for item in f.bad_items:
+            print(f"  {f.name}: {item}")
+    bad = [f for f in r.files if not f.ok]
+    verdict = "OK" if not bad else f"FAILED ({len(bad)} of {len(r.files)} files)"
+    print(f"{verdict}: {r.url}: {r.note}; {human_bytes(r.bytes_read)} read")
+
+
+# --------------------------------------------------------------------------------------------
+# rm
+
+
+def _add_rm(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "rm",
+        parents=[common, storage_options_parser()],
+        help="remove one checkpoint (.metadata first)",
+        description=(
+            "Remove one checkpoint: .metadata first, so readers never see it partially\n"
+            "deleted, then its other objects. Refuses a URL holding sub-directories (a run\n"
+            "root) or no checkpoint files."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("url", metavar="URL", help="checkpoint URL")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_rm)
+
+
+def _run_rm(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import remove
+
+    removed = remove(
+        args.url, storage_options=storage_options_for(args, args.url), dry_run=args.dry_run
+    )
+    if args.json:
+        print_json({"url": redact(args.url), "dry_run": args.dry_run, "objects": removed})
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {redact(args.url)} ({len(removed)} objects)")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# gc
+
+
+def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "gc",
+        parents=[common, storage_options_parser()],
+        help="collect stale incomplete checkpoints, leftover shards and multipart uploads",
+        description=(
+            "Find what failed or superseded saves left under a run root, older than\n"
+            "--older-than: incomplete checkpoints (no .metadata), shards and manifests of\n"
+            "saves that never committed inside complete checkpoints, and stale S3 multipart\n"
+            "uploads. A dry run unless --yes."
+        ),
+        epilog="examples:\n  dcp-volumes gc s3://bucket/run-42/\n"
+        "  dcp-volumes gc s3://bucket/run-42/ --older-than 6h --yes",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="run root")
+    p.add_argument(
+        "--older-than",
+        type=age_s,
+        default=3600.0,
+        metavar="AGE",
+        help="only collect what is older than this (units s, m, h, d; default 1h). Keep it "
+        "above your longest save: a running save looks like an incomplete checkpoint",
+    )
+    p.add_argument("--yes", action="store_true", help="delete (default: report only)")
+    add_step_pattern(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_gc)
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    from dcp_volumes.catalog import gc
+
+    with progress_bar("gc", enabled=not args.json and args.yes, unit="objects") as progress:
+        report = gc(
+            args.root,
+            older_than_s=args.older_than,
+            storage_options=storage_options_for(args, args.root),
+            step_pattern=args.step_pattern,
+            dry_run=not args.yes,
+            progress=progress,
+        )
+    if args.json:
+        print_json(report.as_dict())
+    else:
+        _print_gc(report)
+    return EXIT_OK
+
+
+def _print_gc(r: GcReport) -> None:
+    from dcp_volumes.goodput import format_duration
+
+    verb = "would remove" if r.dry_run else "removed"
+    print(f"gc of {r.root} (older than {format_duration(r.older_than_s)})")
+    for url in r.incomplete:
+        print(f"  {verb} incomplete checkpoint {url}")
+    for url in r.leftovers:
+        print(f"  {verb} leftover {url}")
+    for up in r.uploads:
+        print(
+            f"  {'would abort' if r.dry_run else 'aborted'} multipart upload {up['key']} "
+            f"(started {when(up['initiated'])} UTC)"
+        )
+    for line in r.skipped:
+        print(f"  kept {line}")
+    if r.empty:
+        print("nothing to collect")
+        return
+    print(
+        f"{verb}: {plural(len(r.incomplete), 'incomplete checkpoint')}, "
+        f"{plural(len(r.leftovers), 'leftover object')} ({human_bytes(r.bytes)}), "
+        f"{plural(len(r.uploads), 'multipart upload')}"
+    )
+    if r.dry_run:
+        print("dry run: nothing was deleted; run again with --yes to delete")
+

@@ -1,0 +1,50 @@
+"""Failure and checkpoint-interval model: how often to checkpoint, and what it costs.
+
+A synchronous training job on ``N`` GPUs stops whenever any one of them fails. This module turns a
+failure rate and a measured checkpoint cost into the job's mean time to failure, the chance of an
+interruption, the optimal checkpoint interval (Young, Daly) and the expected goodput at any
+interval. ``docs/goodput.md`` derives every formula; in short, with durations in seconds:
+
+* job MTTF ``M = 8760 h / (AFR · N)`` or ``M = T · G / N`` (observed fleet: a failure every
+  ``T`` hours across ``G`` GPUs);
+* ``P(at least one interruption in D) = 1 − exp(−D / M)``;
+* rework per failure ``τ/2 + R``;
+* Young ``τ = √(2δM)``; Daly ``τ = √(2δM)·[1 + ⅓√(δ/2M) + (1/9)(δ/2M)] − δ`` for ``δ < 2M``,
+  else ``τ = M``;
+* goodput ``G(τ) = τ/(τ+δ) · (1 − (R + (τ+δ)/2) / M)``, clipped at 0.
+
+The model covers infrastructure failures only, assumes independent exponential arrivals, and is
+first order: trust it when ``τ + δ ≪ M``. A zero failure rate gives ``M = inf`` and is handled
+everywhere (no finite optimum; goodput is ``τ/(τ+δ)``).
+"""
+
+from __future__ import annotations
+
+from dcp_volumes.goodput._durations import format_duration, parse_duration_s
+from dcp_volumes.goodput._model import (
+    DEFAULT_INTERVALS_S,
+    HOURS_PER_YEAR,
+    FailureModel,
+    daly_interval_s,
+    expected_goodput,
+    expected_rework_s,
+    interruption_probability,
+    young_interval_s,
+)
+from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
+
+__all__ = [
+    "DEFAULT_INTERVALS_S",
+    "HOURS_PER_YEAR",
+    "FailureModel",
+    "IntervalRow",
+    "Plan",
+    "daly_interval_s",
+    "expected_goodput",
+    "expected_rework_s",
+    "format_duration",
+    "interruption_probability",
+    "parse_duration_s",
+    "plan_intervals",
+    "young_interval_s",
+]

@@ -1,0 +1,137 @@
+"""Concurrent ranged downloads with bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_volumes import errors
+from dcp_volumes.backends import Backend, CallStats
+
+__all__ = ["RangeRequest", "check_extents", "fetch_ranges"]
+
+
+async def _make_semaphore(n: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(n)
+
+
+@dataclass
+class RangeRequest:
+    """One GET of ``[start, end)`` of ``relative``; ``items`` is the caller's bookkeeping."""
+
+    relative: str
+    start: int
+    end: int
+    items: list[Any] = field(default_factory=list)
+
+
+def fetch_ranges(
+    backend: Backend,
+    ranges: list[RangeRequest],
+    *,
+    max_concurrency: int,
+    chunk_size: int,
+    stats: CallStats,
+    on_missing: Callable[[RangeRequest, BaseException], BaseException],
+) -> Iterator[tuple[RangeRequest, bytes]]:
+    """Fetch ``ranges`` concurrently; yield each with its bytes as it arrives.
+
+    At most ``max_concurrency`` GETs are in flight and at most ``2 × max_concurrency``
+    fetched ranges wait for the consumer, which bounds memory. A range larger than
+    ``chunk_size`` (one large item) is fetched as parallel GETs of ``chunk_size``.
+    """
+    results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
+    cancel = threading.Event()
+    inflight = backend.run(lambda: _make_semaphore(max_concurrency))
+    slots = backend.run(lambda: _make_semaphore(2 * max_concurrency))
+
+    async def _one(req: RangeRequest) -> None:
+        await slots.acquire()
+        if cancel.is_set():
+            slots.release()
+            return
+        try:
+            data = await _fetch_one(req)
+            results.put((req, data))
+        except BaseException as exc:  # noqa: BLE001 — handed to the consumer
+            slots.release()
+            if isinstance(exc, errors.ObjectNotFoundError):
+                exc = on_missing(req, exc)
+            results.put((None, exc))
+
+    async def _get(req: RangeRequest, start: int, end: int) -> bytes:
+        async with inflight:
+            return await backend.cat(req.relative, start=start, end=end, stats=stats)
+
+    async def _fetch_one(req: RangeRequest) -> bytes | bytearray:
+        size = req.end - req.start
+        if size <= chunk_size:
+            return await _get(req, req.start, req.end)
+        # One large item: parallel ranged GETs of chunk_size, assembled in place.
+        bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
+        chunks = await asyncio.gather(*(_get(req, a, b) for a, b in bounds))
+        out = bytearray(sum(len(c) for c in chunks))
+        pos = 0
+        for chunk in chunks:
+            out[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return out
+
+    async def _all() -> None:
+        await asyncio.gather(*(_one(r) for r in ranges))
+
+    done = asyncio.run_coroutine_threadsafe(_all(), backend.loop)
+    try:
+        for _ in range(len(ranges)):
+            req, payload = results.get()
+            if req is None:
+                raise payload
+            try:
+                yield req, payload
+            finally:
+                backend.loop.call_soon_threadsafe(slots.release)
+        done.result()
+    finally:
+        if not done.done():
+            # Stopped early (an error, or the consumer gave up): wake every waiting fetch so
+            # it sees `cancel` and returns; the first error was already raised.
+            cancel.set()
+            for _ in range(len(ranges)):
+                backend.loop.call_soon_threadsafe(slots.release)
+            with contextlib.suppress(BaseException):
+                done.result(timeout=120)
+
+
+def check_extents(backend: Backend, ranges: list[RangeRequest], url: str,
+                  on_missing: Callable[[RangeRequest, BaseException], BaseException]) -> None:
+    """Check every planned range against its object's real size before any GET.
+
+    One size lookup per file (concurrent): a range past the end of its object means the
+    checkpoint is truncated, or its metadata claims lengths it does not have, and nothing
+    is fetched for it (so a crafted length cannot make a reader issue unbounded requests).
+
+    Raises:
+        IntegrityError: a range ends past its object's end (or ``on_missing``'s error).
+    """
+    ends: dict[str, RangeRequest] = {}
+    for r in ranges:
+        if r.relative not in ends or r.end > ends[r.relative].end:
+            ends[r.relative] = r
+
+    async def _sizes() -> list[int | None]:
+        return list(await asyncio.gather(*(backend.size(rel) for rel in ends)))
+
+    for (relative, last), size in zip(ends.items(), backend.run(_sizes)):
+        if size is None:
+            raise on_missing(last, errors.ObjectNotFoundError(relative))
+        if last.end > size:
+            raise errors.IntegrityError(
+                f"shard {relative} of {url} is {size} bytes but the checkpoint's metadata "
+                f"needs bytes up to {last.end}: the shard is truncated or the metadata is "
+                "damaged or crafted"
+            )

@@ -1,0 +1,396 @@
+"""Everything read from storage is untrusted, and bad input fails clearly (issue 10).
+
+Local files and fsspec's memory filesystem; a loopback "tarpit" socket stands in for a store
+that accepts connections and never answers. Each test names the finding it guards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+import dcp_volumes
+from dcp_volumes import (
+    RetryOptions,
+    SpoolOptions,
+    VolumeReader,
+    VolumeWriter,
+    _commit,
+    catalog,
+    errors,
+)
+from dcp_volumes._compat import no_dist
+from dcp_volumes._spool import spool_file_name
+from dcp_volumes.backends.local import LocalBackend
+
+MARKER_ENV = "DCPV_TEST_MARKER"
+
+
+class Payload:
+    """An object whose unpickling runs a command (what a hostile ``extra`` item does)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+class Trusted:
+    """A plain class a user may choose to trust."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _state(extra: object) -> dict[str, object]:
+    return {"w": torch.arange(16, dtype=torch.float32), "extra": extra}
+
+
+# ---- 1. no code from storage through non-tensor items ------------------------------------
+@pytest.mark.parametrize("writer", ["stock-torch", "volume-writer"])
+def test_object_item_that_runs_code_is_refused(tmp_path: Path, writer: str) -> None:
+    marker = tmp_path / "ran"
+    url = str(tmp_path / "ckpt")
+    state = _state(Payload(str(marker)))
+    if writer == "stock-torch":
+        dcp.save(state, storage_writer=FileSystemWriter(url), **no_dist())
+    else:
+        dcp.save(state, storage_writer=VolumeWriter(url), **no_dist())
+    assert not marker.exists()
+    target = _state(None)
+    with pytest.raises(errors.UnsafeCheckpointError, match="posix.system|os.system") as info:
+        dcp_volumes.load(target, url, no_dist=True)
+    assert "safe_globals" in str(info.value)
+    assert not marker.exists(), "loading ran a command from storage"
+
+
+def test_trusted_class_loads_when_allowed(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    dcp.save(_state(Trusted(7)), storage_writer=VolumeWriter(url), **no_dist())
+    with pytest.raises(errors.UnsafeCheckpointError, match="Trusted"):
+        dcp_volumes.load(_state(None), url, no_dist=True)
+    target = _state(None)
+    dcp_volumes.load(target, url, safe_globals=[Trusted], no_dist=True)
+    assert isinstance(target["extra"], Trusted) and target["extra"].value == 7
+    assert torch.equal(target["w"], torch.arange(16, dtype=torch.float32))
+
+
+def test_plain_objects_still_load(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    # DCP flattens dicts and lists into keys; what is left are leaf objects of plain types.
+    state = {"w": torch.ones(2), "name": "run-7", "step": 3, "lr": 0.5, "flag": None,
+             "pair": (1, "a"), "shape": torch.Size([2, 3])}
+    dcp.save(state, storage_writer=VolumeWriter(url), **no_dist())
+    target = {k: (torch.zeros(2) if k == "w" else None) for k in state}
+    dcp_volumes.load(target, url, no_dist=True)
+    assert {k: v for k, v in target.items() if k != "w"} == {
+        k: v for k, v in state.items() if k != "w"}
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_safe_globals_must_be_a_list() -> None:
+    with pytest.raises(errors.ConfigError, match="safe_globals"):
+        VolumeReader("/tmp/x", safe_globals="os.system")  # type: ignore[arg-type]
+
+
+# ---- 2. bounded work on crafted metadata -----------------------------------------------
+class _Alloc:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (bytearray, (10**9,))
+
+
+def test_metadata_cannot_allocate_from_a_size_it_claims(tmp_path: Path) -> None:
+    url = tmp_path / "ckpt"
+    url.mkdir()
+    (url / ".metadata").write_bytes(pickle.dumps(_Alloc()))
+    assert len((url / ".metadata").read_bytes()) < 64
+    with pytest.raises(errors.UnsafeCheckpointError, match="bytearray"):
+        VolumeReader(str(url)).read_metadata()
+
+
+def test_oversized_metadata_is_refused_before_reading(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    url = str(tmp_path / "ckpt")
+    dcp.save(_state(1), storage_writer=VolumeWriter(url), **no_dist())
+    monkeypatch.setattr(_commit, "MAX_METADATA_BYTES", 64)
+    reads: list[str] = []
+    real_get = LocalBackend._get
+
+    async def counting_get(self, relative, start, end):  # type: ignore[no-untyped-def]
+        reads.append(relative)
+        return await real_get(self, relative, start, end)
+
+    monkeypatch.setattr(LocalBackend, "_get", counting_get)
+    with pytest.raises(errors.UnsafeCheckpointError, match="over the"):
+        VolumeReader(url).read_metadata()
+    assert reads == []
+
+
+def _claim_huge_length(url: Path) -> None:
+    """Rewrite a torch-written checkpoint's .metadata so one item claims 4 TiB."""
+    md: Metadata = pickle.loads((url / ".metadata").read_bytes())
+    for index, info in md.storage_data.items():
+        if index.fqn == "w":
+            md.storage_data[index] = type(info)(info.relative_path, info.offset, 4 << 40)
+    (url / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_claimed_length_is_checked_against_the_real_size(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    url = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(1024, dtype=torch.float32)},
+             storage_writer=FileSystemWriter(str(url)), **no_dist())
+    _claim_huge_length(url)
+    shard_gets: list[tuple[int | None, int | None]] = []
+    real_get = LocalBackend._get
+
+    async def counting_get(self, relative, start, end):  # type: ignore[no-untyped-def]
+        if relative != ".metadata":
+            shard_gets.append((start, end))
+        return await real_get(self, relative, start, end)
+
+    monkeypatch.setattr(LocalBackend, "_get", counting_get)
+    with pytest.raises(errors.IntegrityError, match="truncated or the metadata"):
+        dcp_volumes.load({"w": torch.zeros(1024)}, str(url), no_dist=True)
+    assert shard_gets == [], "a GET was issued for a range past the end of its object"
+
+
+# ---- 3. links cannot escape the checkpoint --------------------------------------------
+@pytest.mark.parametrize("how", ["linked-shard", "linked-directory"])
+def test_links_out_of_the_checkpoint_are_refused(tmp_path: Path, how: str) -> None:
+    outside = tmp_path / "outside"
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=FileSystemWriter(str(outside)),
+             **no_dist())
+    url = tmp_path / "ckpt"
+    if how == "linked-shard":
+        url.mkdir()
+        for f in outside.iterdir():
+            target = url / f.name
+            if f.name == ".metadata":
+                target.write_bytes(f.read_bytes())
+            else:
+                target.symlink_to(f)
+    else:  # the whole checkpoint directory sits under a linked subdirectory
+        url.mkdir()
+        (url / ".metadata").write_bytes((outside / ".metadata").read_bytes())
+        md: Metadata = pickle.loads((outside / ".metadata").read_bytes())
+        (url / "sub").symlink_to(outside, target_is_directory=True)
+        for index, info in md.storage_data.items():
+            md.storage_data[index] = type(info)(f"sub/{info.relative_path}", info.offset,
+                                                info.length)
+        (url / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(errors.UnsafeCheckpointError, match="outside the checkpoint"):
+        dcp_volumes.load({"w": torch.zeros(8)}, str(url), no_dist=True)
+    report = catalog.verify(str(url))
+    assert not report.ok
+    assert [f.status for f in report.files] == ["link outside the checkpoint"]
+
+
+# ---- 4. mistyped URLs, wrong types -------------------------------------------------------
+@pytest.mark.parametrize(("url", "meant"), [
+    ("s3:/bucket/x", "s3://bucket/x"),
+    ("s3//bucket/x", "s3://bucket/x"),
+    ("gs:/b/x", "gs://b/x"),
+    ("s3:bucket/x", "s3://bucket/x"),
+    ("az:/container/x", "az://container/x"),
+], ids=["s3-one-slash", "s3-no-colon", "gs-one-slash", "s3-no-slashes", "az-one-slash"])
+def test_mistyped_scheme_is_refused_with_a_suggestion(url: str, meant: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errors.ConfigError, match="did you mean") as info:
+        VolumeWriter(url)
+    assert repr(meant) in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", [None, 123, b"/tmp/x", "", "file://", "memory://"],
+                         ids=["none", "int", "bytes", "empty", "empty-file", "empty-memory"])
+def test_non_urls_are_config_errors(value: object) -> None:
+    for cls in (VolumeWriter, VolumeReader):
+        with pytest.raises(errors.ConfigError):
+            cls(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1/x", "zip://a/b"], ids=["http", "zip"])
+def test_protocols_that_cannot_hold_a_checkpoint_are_refused(url: str) -> None:
+    with pytest.raises(errors.ConfigError, match="cannot hold a checkpoint"):
+        VolumeWriter(url)
+
+
+def test_unreachable_fsspec_store_is_a_config_error(tmp_path: Path) -> None:
+    # ftp connects when its filesystem is built; nothing listens on port 1.
+    with pytest.raises(errors.ConfigError, match="cannot reach the store"):
+        dcp_volumes.save({"w": torch.ones(2)}, "ftp://127.0.0.1:1/x", no_dist=True)
+
+
+# ---- 5. credentials in URLs --------------------------------------------------------------
+def test_credentials_in_urls_are_refused_and_never_logged(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    url = "s3://AKIAEXAMPLEKEY:TOPSECRETVALUE@bucket/run/step-1"
+    caplog.set_level(logging.DEBUG)
+    for make in (lambda: VolumeWriter(url), lambda: VolumeReader(url),
+                 lambda: dcp_volumes.Checkpointer("s3://AKIAEXAMPLEKEY:TOPSECRETVALUE@b/run")):
+        with pytest.raises(errors.ConfigError, match="storage_options") as info:
+            make()
+        assert "TOPSECRETVALUE" not in str(info.value)
+        assert "AKIAEXAMPLEKEY" not in str(info.value)
+    assert "TOPSECRETVALUE" not in caplog.text
+
+
+def test_cli_debug_traceback_never_prints_a_url_secret() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dcp_volumes.cli", "--debug", "ls",
+         "s3://AKIAEXAMPLEKEY:TOPSECRETVALUE@bucket/run"],
+        check=False, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "TOPSECRETVALUE" not in out.stdout + out.stderr
+    assert "storage_options" in out.stderr
+
+
+# ---- 8. deadlines, advice, typed errors, dead spools ---------------------------------------
+@pytest.fixture
+def tarpit() -> Iterator[str]:
+    """An endpoint that accepts connections and never answers."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                held.append(conn)
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_deadline_bounds_a_request_to_a_store_that_never_answers(tarpit: str) -> None:
+    opts = {"endpoint_url": tarpit, "key": "k", "secret": "s"}
+    retry = RetryOptions(deadline_s=3.0, max_attempts=50, initial_backoff_s=0.05)
+    start = time.monotonic()
+    with pytest.raises(errors.DCPVolumesError):
+        dcp_volumes.save({"w": torch.ones(4)}, "s3://bucket/run/step-1", storage_options=opts,
+                         retry=retry, no_dist=True)
+    # botocore's own read timeout is 60 s a request: only the deadline ends it this early
+    assert time.monotonic() - start < 30
+
+
+def test_missing_manifest_gives_no_advice_to_skip_verification(tmp_path: Path) -> None:
+    url = tmp_path / "ckpt"
+    dcp.save(_state(1), storage_writer=VolumeWriter(str(url)), **no_dist())
+    for f in url.glob(".dcpv-manifest-*"):
+        f.unlink()
+    with pytest.raises(errors.IntegrityError) as info:
+        VolumeReader(str(url)).read_metadata()
+    assert "verify=False" not in str(info.value)
+
+
+@pytest.mark.parametrize("state", ["nothing", "incomplete"])
+def test_load_helper_raises_the_typed_error(tmp_path: Path, state: str) -> None:
+    url = tmp_path / "ckpt"
+    expected: type[errors.DCPVolumesError] = errors.CheckpointNotFoundError
+    if state == "incomplete":
+        url.mkdir()
+        (url / "__0_0.distcp").write_bytes(b"x")
+        expected = errors.IncompleteCheckpointError
+    with pytest.raises(expected):
+        dcp_volumes.load(_state(None), str(url), no_dist=True)
+    reader = VolumeReader(str(url))
+    with pytest.raises((AssertionError, CheckpointException)) as plain:  # dcp.load hides it,
+        dcp.load(_state(None), storage_reader=reader, **no_dist())
+    assert not isinstance(plain.value, errors.DCPVolumesError)
+    assert isinstance(reader.last_error, expected)  # ... the reader keeps it
+
+
+def test_save_helper_raises_the_typed_error(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    dcp_volumes.save(_state(1), url, no_dist=True)
+    with pytest.raises(errors.CheckpointExistsError):
+        dcp_volumes.save(_state(2), url, no_dist=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_spool_files_of_dead_processes_are_removed_at_the_next_save(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    shard = f"__0_0-{'0' * 8}-{'a' * 12}.distcp"
+    mine = spool_file_name(shard)  # this host, this pid
+    host = mine.split("-")[1]
+    dead = spool / f"dcpv-{host}-{_dead_pid()}-{shard}"
+    live = spool / f"dcpv-{host}-{os.getppid()}-{shard}"
+    other_host = spool / f"dcpv-ffffffff-{_dead_pid()}-{shard}"
+    unrelated = spool / "dcpv-notes.txt"
+    link = spool / f"dcpv-{host}-{_dead_pid()}-__0_1-{'0' * 8}-{'b' * 12}.distcp"
+    for f in (dead, live, other_host, unrelated):
+        f.write_bytes(b"x" * 10)
+    link.symlink_to(unrelated)
+    dcp_volumes.save(_state(1), str(tmp_path / "ckpt"),
+                     spool=SpoolOptions(directory=str(spool)), no_dist=True)
+    assert not dead.exists()
+    assert live.exists() and other_host.exists() and unrelated.exists() and link.is_symlink()
+
+
+def test_memory_url_is_unaffected() -> None:
+    url = f"memory://dcpv-tests/{uuid.uuid4().hex}/ckpt"
+    dcp_volumes.save(_state("text"), url, no_dist=True)
+    target = _state(None)
+    dcp_volumes.load(target, url, no_dist=True)
+    assert target["extra"] == "text"
+
+
+_GOOD_LAYOUT = {"data": 64, "block": 1024, "crcs": [1, 2], "shape": [512], "dtype": "float32"}
+
+
+@pytest.mark.parametrize("change", [
+    {"block": 0}, {"dtype": "os.system"}, {"shape": [-1]}, {"data": 10**6}, {"data": -1},
+    {"crcs": [1]}, {"crcs": list(range(10**5))},
+], ids=["zero-block", "unknown-dtype", "negative-dim", "data-past-item", "negative-data",
+        "too-few-crcs", "too-many-crcs"])
+def test_crafted_manifest_layouts_are_refused(change: dict[str, object]) -> None:
+    from dcp_volumes._manifest import Manifest
+
+    def doc(layout: dict[str, object]) -> bytes:
+        import json
+        return json.dumps({"format": 1, "save_id": "00000000-000000000000", "writer": "x",
+                           "world_size": 1, "files": {"__0_0-00000000-000000000000.distcp": {
+                               "size": 4096, "items": [[0, 4096, 7, layout]]}}}).encode()
+
+    Manifest.from_json(doc(_GOOD_LAYOUT), where="m")  # the unchanged layout is valid
+    with pytest.raises(errors.IntegrityError, match="not valid"):
+        Manifest.from_json(doc({**_GOOD_LAYOUT, **change}), where="m")

@@ -1,0 +1,133 @@
+"""Error translation and transience, as tables: what each backend raises → what users get."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+
+import pytest
+
+from dcp_volumes import errors
+from dcp_volumes.backends import is_transient, redact_url, translate_error
+
+
+class _ClientError(Exception):
+    """The shape of botocore's ClientError (a ``response`` dict), without botocore."""
+
+    def __init__(self, code: str | None, status: int | None) -> None:
+        super().__init__(f"{code} {status}")
+        self.response = {"Error": {"Code": code} if code else {},
+                         "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+class _AzureError(Exception):
+    """The shape of azure.core's HttpResponseError."""
+
+    def __init__(self, status: int, error_code: str | None) -> None:
+        super().__init__(f"{status} {error_code}")
+        self.status_code = status
+        self.error_code = error_code
+
+
+class _HttpError(Exception):
+    """The shape of gcsfs' HttpError / aiohttp's ClientResponseError."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(str(code))
+        self.code = code
+
+
+class ServerDisconnectedError(Exception):
+    """Matched by type name, so aiohttp need not be importable."""
+
+
+def _wrapped(inner: BaseException) -> BaseException:
+    """A filesystem re-raising a client error as a builtin (``raise OSError from inner``)."""
+    try:
+        try:
+            raise inner
+        except Exception as e:
+            raise OSError("wrapped") from e
+    except OSError as outer:
+        return outer
+
+
+TRANSLATIONS = [
+    ("s3-access-denied", _ClientError("AccessDenied", 403), errors.StoragePermissionError),
+    ("s3-bad-key", _ClientError("InvalidAccessKeyId", 403), errors.StoragePermissionError),
+    ("http-401", _HttpError(401), errors.StoragePermissionError),
+    ("permission-builtin", PermissionError("no"), errors.StoragePermissionError),
+    ("s3-no-bucket", _ClientError("NoSuchBucket", 404), errors.BucketNotFoundError),
+    ("azure-no-container", _AzureError(404, "ContainerNotFound"), errors.BucketNotFoundError),
+    ("s3-precondition", _ClientError("PreconditionFailed", 412), errors.CheckpointExistsError),
+    ("http-412", _HttpError(412), errors.CheckpointExistsError),
+    ("azure-exists", _AzureError(409, "BlobAlreadyExists"), errors.CheckpointExistsError),
+    ("file-exists", FileExistsError("x"), errors.CheckpointExistsError),
+    ("s3-invalid-range", _ClientError("InvalidRange", 416), errors.IntegrityError),
+    ("s3-no-key", _ClientError("NoSuchKey", 404), errors.ObjectNotFoundError),
+    ("azure-no-blob", _AzureError(404, "BlobNotFound"), errors.ObjectNotFoundError),
+    ("file-not-found", FileNotFoundError("x"), errors.ObjectNotFoundError),
+    ("wrapped-no-key", _wrapped(_ClientError("NoSuchKey", 404)), errors.ObjectNotFoundError),
+    ("s3-slowdown", _ClientError("SlowDown", 503), errors.UploadError),
+    ("http-500", _HttpError(500), errors.UploadError),
+    ("other", ValueError("odd"), errors.UploadError),
+]
+
+
+@pytest.mark.parametrize(("exc", "expected"), [(e, x) for _, e, x in TRANSLATIONS],
+                         ids=[i for i, _, _ in TRANSLATIONS])
+def test_translation_table(exc: BaseException, expected: type[errors.DCPVolumesError]) -> None:
+    out = translate_error(exc, url="s3://KEY:SECRET@bucket/run/x", op="upload")
+    assert type(out) is expected
+    assert "SECRET" not in str(out)
+
+
+@pytest.mark.parametrize("op", ["download", "list", "read"])
+def test_read_side_failures_are_download_errors(op: str) -> None:
+    assert type(translate_error(_HttpError(500), url="s3://b/x", op=op)) is errors.DownloadError
+    assert type(translate_error(ValueError(), url="s3://b/x", op=op)) is errors.DownloadError
+
+
+def test_our_own_errors_pass_through_unchanged() -> None:
+    mine = errors.IntegrityError("mine")
+    assert translate_error(mine, url="s3://b/x", op="upload") is mine
+    assert not is_transient(mine)
+
+
+TRANSIENCE = [
+    ("slowdown", _ClientError("SlowDown", 503), True),
+    ("throttling-code", _ClientError("Throttling", 400), True),
+    ("bad-digest", _ClientError("BadDigest", 400), True),
+    ("internal", _ClientError("InternalError", 500), True),
+    ("server-busy", _AzureError(503, "ServerBusy"), True),
+    ("http-429", _HttpError(429), True),
+    ("http-408", _HttpError(408), True),
+    ("http-502", _HttpError(502), True),
+    ("reset", ConnectionResetError(), True),
+    ("timeout", TimeoutError(), True),
+    ("asyncio-timeout", asyncio.TimeoutError(), True),
+    ("disconnected-by-name", ServerDisconnectedError(), True),
+    ("wrapped-slowdown", _wrapped(_ClientError("SlowDown", 503)), True),
+    ("econnreset-oserror", OSError(errno.ECONNRESET, "reset"), True),
+    ("access-denied", _ClientError("AccessDenied", 403), False),
+    ("no-key", _ClientError("NoSuchKey", 404), False),
+    ("precondition", _ClientError("PreconditionFailed", 412), False),
+    ("http-400", _HttpError(400), False),
+    ("value-error", ValueError(), False),
+    ("enospc", OSError(errno.ENOSPC, "full"), False),
+]
+
+
+@pytest.mark.parametrize(("exc", "transient"), [(e, t) for _, e, t in TRANSIENCE],
+                         ids=[i for i, _, _ in TRANSIENCE])
+def test_transience_table(exc: BaseException, transient: bool) -> None:
+    assert is_transient(exc) is transient
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("s3://KEY:SECRET@bucket/x", "s3://***@bucket/x"),
+    ("s3://bucket/x", "s3://bucket/x"),
+    ("az://user@container/x", "az://***@container/x"),
+], ids=["user-password", "none", "user-only"])
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
