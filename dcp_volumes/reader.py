@@ -163,7 +163,15 @@ class VolumeReader(Location, StorageReader):
                 "while loading"
             )
 
-        check_extents(backend, ranges, url, _missing)
+        def _short(rng: RangeRequest, size: int) -> BaseException:
+            need = max(rng.items, key=lambda n: n.end)
+            return errors.IntegrityError(
+                f"shard {rng.relative} of {url} is truncated or its metadata is damaged: "
+                f"{describe(need.reads[0])} needs bytes up to {need.end}, the object has "
+                f"{size}"
+            )
+
+        check_extents(backend, ranges, _missing, _short)
         for rng, data in fetch_ranges(backend, ranges,
                                       max_concurrency=self.transfer.max_concurrency,
                                       chunk_size=self.transfer.part_size,

@@ -56,16 +56,34 @@ def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("root", metavar="ROOT", help="run root: s3://bucket/run/, gs://, az://, a dir")
     add_step_pattern(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--check", type=_count_or_zero, default=None, metavar="N",
+        help="read the .metadata and manifest of the newest N committed checkpoints (and on "
+        "until one loads) to tell 'complete' from 'unreadable' (default 16); 0 lists only, "
+        "without importing torch (statuses show 'committed')",
+    )
     p.set_defaults(handler=_run_ls)
+
+
+def _count_or_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def _run_ls(args: argparse.Namespace) -> int:
     from dcp_volumes.catalog import list_checkpoints
 
+    kwargs = {} if args.check is None else {"check": args.check}
     infos = list_checkpoints(
         args.root,
         storage_options=storage_options_for(args, args.root),
         step_pattern=args.step_pattern,
+        **kwargs,
     )
     if args.json:
         print_json({"root": redact(args.root), "checkpoints": [_info_doc(i) for i in infos]})
@@ -337,8 +355,9 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         type=age_s,
         default=3600.0,
         metavar="AGE",
-        help="only collect what is older than this (units s, m, h, d; default 1h). Keep it "
-        "above your longest save: a running save looks like an incomplete checkpoint",
+        help="only collect saves whose newest object is older than this (units s, m, h, d; "
+        "default 1h). A save whose live record is fresh (rewritten every 30 s while it "
+        "uploads) is never collected, whatever this says",
     )
     p.add_argument("--yes", action="store_true", help="delete (default: report only)")
     add_step_pattern(p)

@@ -107,8 +107,9 @@ def fetch_ranges(
                 done.result(timeout=120)
 
 
-def check_extents(backend: Backend, ranges: list[RangeRequest], url: str,
-                  on_missing: Callable[[RangeRequest, BaseException], BaseException]) -> None:
+def check_extents(backend: Backend, ranges: list[RangeRequest],
+                  on_missing: Callable[[RangeRequest, BaseException], BaseException],
+                  on_short: Callable[[RangeRequest, int], BaseException]) -> None:
     """Check every planned range against its object's real size before any GET.
 
     One size lookup per file (concurrent): a range past the end of its object means the
@@ -116,7 +117,8 @@ def check_extents(backend: Backend, ranges: list[RangeRequest], url: str,
     is fetched for it (so a crafted length cannot make a reader issue unbounded requests).
 
     Raises:
-        IntegrityError: a range ends past its object's end (or ``on_missing``'s error).
+        what ``on_missing(range, error)`` returns for a missing object, or ``on_short(range,
+        size)`` for the furthest range of a file that ends before it.
     """
     ends: dict[str, RangeRequest] = {}
     for r in ranges:
@@ -130,8 +132,4 @@ def check_extents(backend: Backend, ranges: list[RangeRequest], url: str,
         if size is None:
             raise on_missing(last, errors.ObjectNotFoundError(relative))
         if last.end > size:
-            raise errors.IntegrityError(
-                f"shard {relative} of {url} is {size} bytes but the checkpoint's metadata "
-                f"needs bytes up to {last.end}: the shard is truncated or the metadata is "
-                "damaged or crafted"
-            )
+            raise on_short(last, size)
