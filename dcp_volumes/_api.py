@@ -10,8 +10,9 @@ re-raise the typed error (``from`` the original) so callers can tell "no checkpo
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from dcp_volumes import _compat, errors
 from dcp_volumes.reader import VolumeReader
 from dcp_volumes.writer import VolumeWriter
 
-__all__ = ["load", "reraise_typed", "save", "typed_failure"]
+__all__ = ["load", "reraise_typed", "save", "typed_errors", "typed_failure"]
 
 
 def typed_failure(exc: BaseException) -> errors.DCPVolumesError | None:
@@ -50,6 +51,19 @@ def reraise_typed(exc: BaseException, recorded: errors.DCPVolumesError | None) -
         raise typed  # keeps its own cause (the backend error); DCP's exception is its context
 
 
+@contextlib.contextmanager
+def typed_errors(
+    recorded: Callable[[], errors.DCPVolumesError | None] = lambda: None,
+) -> Iterator[None]:
+    """Around a ``dcp.save``/``dcp.load`` call: re-raise the typed error behind what DCP
+    raised (``recorded()`` first, e.g. a reader's ``last_error``), if there is one."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:  # CheckpointException: a BaseException
+        reraise_typed(exc, recorded())
+        raise
+
+
 def _alone(no_dist: bool) -> dict[str, bool]:
     return _compat.no_dist() if no_dist else {}
 
@@ -74,12 +88,9 @@ def load(
     """
     reader = VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
                           **reader_options)
-    try:
+    with typed_errors(lambda: reader.last_error):
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))
-    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
-        reraise_typed(exc, reader.last_error)
-        raise
     return reader
 
 
@@ -102,11 +113,9 @@ def save(
     """
     writer = VolumeWriter(path, storage_options=storage_options, **writer_options)
     try:
-        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                 **_alone(no_dist))
-    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
-        reraise_typed(exc, None)
-        raise
+        with typed_errors():
+            dcp.save(state_dict, storage_writer=writer, planner=planner,
+                     process_group=process_group, **_alone(no_dist))
     finally:
         writer.close()
     return writer

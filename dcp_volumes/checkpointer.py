@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_volumes import _compat, catalog, errors
-from dcp_volumes._api import reraise_typed, typed_failure
+from dcp_volumes._api import typed_errors, typed_failure
 from dcp_volumes.backends import parse_url, redact_url
 from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
 from dcp_volumes.reader import VolumeReader
@@ -242,12 +242,9 @@ class Checkpointer:
         self._last_step = step
         self._last_save_t = time.monotonic()
         if not self.async_save:
-            try:
+            with typed_errors():
                 dcp.save(state_dict, checkpoint_id=url, storage_writer=self._writer,
                          process_group=self._ctl_group)
-            except (Exception, CheckpointException) as exc:
-                reraise_typed(exc, None)
-                raise
             self._after_commit(step, url)
             return True
         response = dcp.async_save(
@@ -345,11 +342,8 @@ class Checkpointer:
         reader = VolumeReader(info.url, storage_options=self.storage_options,
                               transfer=self.transfer, retry=self.retry,
                               safe_globals=self.safe_globals)
-        try:
+        with typed_errors(lambda: reader.last_error):
             dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
-        except (Exception, CheckpointException) as exc:
-            reraise_typed(exc, reader.last_error)
-            raise
         self._last_step = info.step
         self._last_save_t = time.monotonic()
         logger.info("resumed from %s (step %s)", redact_url(info.url), info.step)

@@ -128,24 +128,26 @@ def positive_or_inf(text: str) -> float:
     return x
 
 
-def gpu_count(text: str) -> int:
+def _whole(text: str, *, minimum: int, what: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of GPUs, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {n}")
     return n
+
+
+def gpu_count(text: str) -> int:
+    return _whole(text, minimum=1, what="a whole number of GPUs")
 
 
 def positive_count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
+    return _whole(text, minimum=1, what="a whole number")
+
+
+def count_or_zero(text: str) -> int:
+    return _whole(text, minimum=0, what="a whole number")
 
 
 def age_s(text: str) -> float:

@@ -24,6 +24,7 @@ from dcp_volumes.cli._main import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, PROG
 from dcp_volumes.cli._options import (
     add_step_pattern,
     age_s,
+    count_or_zero,
     positive_count,
     storage_options_for,
     storage_options_parser,
@@ -57,22 +58,12 @@ def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
     add_step_pattern(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument(
-        "--check", type=_count_or_zero, default=None, metavar="N",
+        "--check", type=count_or_zero, default=None, metavar="N",
         help="read the .metadata and manifest of the newest N committed checkpoints (and on "
         "until one loads) to tell 'complete' from 'unreadable' (default 16); 0 lists only, "
         "without importing torch (statuses show 'committed')",
     )
     p.set_defaults(handler=_run_ls)
-
-
-def _count_or_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
 
 
 def _run_ls(args: argparse.Namespace) -> int:
