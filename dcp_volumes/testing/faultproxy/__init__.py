@@ -29,6 +29,11 @@ Actions (one per request: the first rule that matches and still has injections l
                       payload offset ``nbytes``, default the middle of the body), as a bad NIC or
                       middlebox would; the upstream's answer goes back as it is.
 
+A :class:`PrefixRateLimit` (``proxy.add_rate_limit(PrefixRateLimit(rate=50))``) limits the
+request rate of each key prefix with a token bucket and answers 503 SlowDown above it, as S3
+does per partitioned prefix; its counters (accepted and throttled, per prefix) are in
+``proxy.stats.rate_limit(limit)``.
+
 A :class:`NetworkProfile` (for benchmarks) adds a first-byte delay to every response and caps
 each connection's bandwidth with a token bucket, separately in each direction. Both are off by
 default; with the profile off the proxy only copies 1 MiB buffers and is not the bottleneck at
@@ -39,9 +44,9 @@ rules can read the whole request body before deciding what to do.
 
 The proxy runs an asyncio loop in a daemon thread; all public methods are thread-safe.
 
-Modules: ``_rules`` (:class:`FaultRule`, its ready-made constructors, :class:`NetworkProfile`,
-the stats), ``_http`` (message heads, body relays, the token bucket), ``_proxy``
-(:class:`FaultProxy`) and ``_connection`` (one client connection).
+Modules: ``_rules`` (:class:`FaultRule`, its ready-made constructors, :class:`PrefixRateLimit`,
+:class:`NetworkProfile`, the stats), ``_http`` (message heads, body relays, the token bucket),
+``_proxy`` (:class:`FaultProxy`) and ``_connection`` (one client connection).
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ from dcp_volumes.testing.faultproxy._rules import (
     FaultAction,
     FaultRule,
     NetworkProfile,
+    PrefixCounts,
+    PrefixRateLimit,
     ProxyStats,
+    RateLimitStats,
     RuleStats,
     azure_throttled,
     gcs_rate_limited,
@@ -72,7 +80,10 @@ __all__ = [
     "FaultProxy",
     "FaultRule",
     "NetworkProfile",
+    "PrefixCounts",
+    "PrefixRateLimit",
     "ProxyStats",
+    "RateLimitStats",
     "RuleStats",
     "azure_throttled",
     "gcs_rate_limited",

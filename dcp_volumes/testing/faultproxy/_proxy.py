@@ -16,8 +16,10 @@ from dcp_volumes.testing.faultproxy._http import MAX_HEAD
 from dcp_volumes.testing.faultproxy._rules import (
     FaultRule,
     NetworkProfile,
+    PrefixRateLimit,
     ProxyStats,
     RuleStats,
+    _RateLimitState,
     _RuleState,
 )
 
@@ -71,6 +73,8 @@ class FaultProxy(StartStop):
         self.connect_timeout = connect_timeout
         self._profile = profile or NetworkProfile()
         self._rules: list[_RuleState] = []
+        self._rate_limits: list[_RateLimitState] = []
+        self._throttled = 0
         self._lock = threading.Lock()
         self._connections = 0
         self._active = 0
@@ -196,6 +200,26 @@ class FaultProxy(StartStop):
         with self._lock:
             self._rules = []
 
+    def add_rate_limit(self, limit: PrefixRateLimit) -> PrefixRateLimit:
+        """Install a per-prefix request-rate limit (after the existing ones) and return it.
+
+        A request goes through every installed limit that applies to it; the first one that
+        has no token left for its prefix answers it (503 SlowDown by default).
+        """
+        with self._lock:
+            self._rate_limits.append(_RateLimitState(limit))
+        return limit
+
+    def remove_rate_limit(self, limit: PrefixRateLimit) -> None:
+        """Uninstall ``limit`` (by identity); does nothing if it is not installed."""
+        with self._lock:
+            self._rate_limits = [s for s in self._rate_limits if s.limit is not limit]
+
+    def clear_rate_limits(self) -> None:
+        """Uninstall every rate limit (their stats go with them)."""
+        with self._lock:
+            self._rate_limits = []
+
     @property
     def profile(self) -> NetworkProfile:
         """The network profile; assign a new :class:`NetworkProfile` to change it."""
@@ -215,22 +239,32 @@ class FaultProxy(StartStop):
                 requests=self._requests,
                 faults_injected=self._faults,
                 rules=tuple(RuleStats(s.rule, s.matched, s.injected) for s in self._rules),
+                throttled=self._throttled,
+                rate_limits=tuple(s.snapshot() for s in self._rate_limits),
             )
 
     def reset_stats(self) -> None:
-        """Zero the global and per-rule counters."""
+        """Zero the global, per-rule and per-rate-limit counters (token buckets keep their
+        state)."""
         with self._lock:
-            self._connections = self._requests = self._faults = 0
+            self._connections = self._requests = self._faults = self._throttled = 0
             for state in self._rules:
                 state.matched = state.injected = 0
+            for limit in self._rate_limits:
+                limit.reset()
 
     def _select(self, method: str, target: str, fields: Mapping[str, str]) -> FaultRule | None:
+        """The rule that answers this request: a fault rule, else a rate limit's answer."""
         with self._lock:
             self._requests += 1
             for state in self._rules:
                 if state.take(method, target, fields):
                     self._faults += 1
                     return state.rule
+            for limit in self._rate_limits:
+                if limit.take(method, target) is False:
+                    self._throttled += 1
+                    return limit.limit.answer
         return None
 
     # -- per connection --------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""Fault rules, canned error bodies, the network profile and the proxy's counters."""
+"""Fault rules, per-prefix rate limits, canned error bodies, the network profile and the
+proxy's counters."""
 
 from __future__ import annotations
 
 import re
+import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -15,7 +18,10 @@ __all__ = [
     "FaultAction",
     "FaultRule",
     "NetworkProfile",
+    "PrefixCounts",
+    "PrefixRateLimit",
     "ProxyStats",
+    "RateLimitStats",
     "RuleStats",
     "azure_throttled",
     "gcs_rate_limited",
@@ -199,6 +205,111 @@ class NetworkProfile:
             )
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PrefixRateLimit:
+    """A request-rate limit per key prefix, answered like S3 when exceeded (503 SlowDown).
+
+    S3 serves about 3,500 PUT/POST/DELETE and 5,500 GET/HEAD requests per second per
+    partitioned prefix and answers ``503 SlowDown`` above that; requests it refuses do not
+    count against the rate. This models it with one token bucket per prefix: ``rate``
+    tokens per second, at most ``burst`` saved up; a request takes a token or gets
+    ``answer`` (its body is read and dropped; the upstream never sees it).
+
+    A request's prefix is its path-style target's *directory* (bucket first, object name
+    left out), cut to the first ``depth`` components: with ``depth=None``,
+    ``/bkt/run/step-1/__0_0.distcp`` and ``/bkt/run/step-1/.metadata`` share the prefix
+    ``bkt/run/step-1`` while ``/bkt/run/step-1/3f/__0_0.distcp`` (a hashed layout) is
+    ``bkt/run/step-1/3f``. Bucket-level requests (``/bkt``, ``/bkt?list-type=2...``) have
+    the prefix ``bkt``.
+
+    Rules compare by identity. Fault rules are consulted first: a request a rule answers is
+    not counted here.
+
+    Args:
+        rate: Requests per second each prefix accepts.
+        burst: Requests a prefix accepts at once after a quiet spell (the bucket size).
+            Default: a tenth of a second's worth, at least 1.
+        depth: Directory components that make the prefix; ``None``: all of them.
+        method: Only requests with this method count and are limited; ``None``: all.
+        path_regex: Only requests whose target (path and query) this regex is found in count
+            and are limited; ``None``: all.
+        answer: The ``status`` rule answered above the rate; default :func:`s3_slowdown`.
+            (:func:`gcs_rate_limited` and :func:`azure_throttled` model the other stores.)
+        name: Label for logs and :class:`RateLimitStats`.
+    """
+
+    rate: float
+    burst: float | None = None
+    depth: int | None = None
+    method: str | None = None
+    path_regex: str | None = None
+    answer: FaultRule | None = None
+    name: str | None = None
+    _path_re: re.Pattern[str] | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"PrefixRateLimit.rate must be > 0 requests/s, got {self.rate}")
+        if self.burst is not None and self.burst < 1:
+            raise ValueError(f"PrefixRateLimit.burst must be >= 1 request, got {self.burst}")
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"PrefixRateLimit.depth must be >= 1 or None, got {self.depth}")
+        if self.answer is not None and self.answer.action != "status":
+            raise ValueError("PrefixRateLimit.answer must be a 'status' rule (e.g. s3_slowdown())")
+        if self.path_regex is not None:
+            object.__setattr__(self, "_path_re", re.compile(self.path_regex))
+        if self.answer is None:
+            object.__setattr__(self, "answer", s3_slowdown())
+
+    @property
+    def capacity(self) -> float:
+        """The bucket size: ``burst``, or a tenth of a second's worth (at least 1)."""
+        return self.burst if self.burst is not None else max(1.0, self.rate / 10)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.rate:g} req/s per prefix"
+
+    def prefix_of(self, method: str, target: str) -> str | None:
+        """The prefix a request counts against; ``None`` if this limit does not apply."""
+        if self.method is not None and self.method.upper() != method:
+            return None
+        if self._path_re is not None and not self._path_re.search(target):
+            return None
+        path = urllib.parse.unquote(target.split("?", 1)[0])
+        parts = [p for p in path.split("/") if p]
+        dirs = parts[:-1] if len(parts) > 1 else parts
+        if self.depth is not None:
+            dirs = dirs[: self.depth]
+        return "/".join(dirs)
+
+
+@dataclass(frozen=True)
+class PrefixCounts:
+    """One prefix under a :class:`PrefixRateLimit`: requests accepted and throttled, and
+    when the first and last accepted one arrived (``time.monotonic()``; 0.0 if none)."""
+
+    accepted: int
+    throttled: int
+    first_accepted: float
+    last_accepted: float
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first accepted request to the last."""
+        return max(0.0, self.last_accepted - self.first_accepted)
+
+
+@dataclass(frozen=True)
+class RateLimitStats:
+    """Counts for one :class:`PrefixRateLimit`, in total and per prefix."""
+
+    limit: PrefixRateLimit
+    accepted: int
+    throttled: int
+    prefixes: Mapping[str, PrefixCounts]
+
+
 @dataclass(frozen=True)
 class RuleStats:
     """Counts for one rule: requests that matched it, and faults it injected."""
@@ -217,6 +328,8 @@ class ProxyStats:
     requests: int
     faults_injected: int
     rules: tuple[RuleStats, ...]
+    throttled: int = 0
+    rate_limits: tuple[RateLimitStats, ...] = ()
 
     def rule(self, rule: FaultRule) -> RuleStats:
         """Stats of ``rule`` (by identity). Raises :class:`KeyError` if it is not installed."""
@@ -224,6 +337,13 @@ class ProxyStats:
             if stats.rule is rule:
                 return stats
         raise KeyError(f"rule not installed: {rule.label}")
+
+    def rate_limit(self, limit: PrefixRateLimit) -> RateLimitStats:
+        """Stats of ``limit`` (by identity). Raises :class:`KeyError` if it is not installed."""
+        for stats in self.rate_limits:
+            if stats.limit is limit:
+                return stats
+        raise KeyError(f"rate limit not installed: {limit.label}")
 
 
 @dataclass
@@ -246,3 +366,66 @@ class _RuleState:
             return False
         self.injected += 1
         return True
+
+
+@dataclass
+class _Bucket:
+    """One prefix's token bucket and counters (guarded by the proxy's lock)."""
+
+    tokens: float
+    stamp: float
+    accepted: int = 0
+    throttled: int = 0
+    first_accepted: float = 0.0
+    last_accepted: float = 0.0
+
+
+@dataclass
+class _RateLimitState:
+    """An installed rate limit, its buckets and counters (guarded by the proxy's lock)."""
+
+    limit: PrefixRateLimit
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    accepted: int = 0
+    throttled: int = 0
+
+    def take(self, method: str, target: str) -> bool | None:
+        """Count a request: ``True`` accepted, ``False`` throttled, ``None`` not limited."""
+        prefix = self.limit.prefix_of(method, target)
+        if prefix is None:
+            return None
+        now = time.monotonic()
+        capacity = self.limit.capacity
+        bucket = self.buckets.get(prefix)
+        if bucket is None:
+            bucket = self.buckets[prefix] = _Bucket(tokens=capacity, stamp=now)
+        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.stamp) * self.limit.rate)
+        bucket.stamp = now
+        if bucket.tokens < 1.0:
+            bucket.throttled += 1
+            self.throttled += 1
+            return False
+        bucket.tokens -= 1.0
+        bucket.accepted += 1
+        self.accepted += 1
+        if bucket.accepted == 1:
+            bucket.first_accepted = now
+        bucket.last_accepted = now
+        return True
+
+    def snapshot(self) -> RateLimitStats:
+        return RateLimitStats(
+            self.limit,
+            self.accepted,
+            self.throttled,
+            {
+                p: PrefixCounts(b.accepted, b.throttled, b.first_accepted, b.last_accepted)
+                for p, b in self.buckets.items()
+            },
+        )
+
+    def reset(self) -> None:
+        self.accepted = self.throttled = 0
+        for b in self.buckets.values():
+            b.accepted = b.throttled = 0
+            b.first_accepted = b.last_accepted = 0.0
