@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from dcp_volumes import _commit, _compat, _layout, errors
 from dcp_volumes._location import Location
-from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, set_save_id
+from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, paused_gc, set_save_id
 from dcp_volumes._spool import SpoolFile, check_free_space, remove_dead_spools
 from dcp_volumes._staging import StagingBuffers
 from dcp_volumes._version import __version__
@@ -48,10 +48,38 @@ _DATA_BLOCK = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class _SavePrefix:
-    """What the coordinator hands every rank in its plan: the save id and the rank's index."""
+    """What the coordinator hands every rank in its plan: the save id and the rank's index.
+
+    With ``DefaultSavePlanner(enable_plan_caching=True)`` a rank whose plan did not change
+    gets its first save's final plan back, this prefix included: a stale save id. So the
+    id a rank names its shards with is claimed in :meth:`VolumeWriter.write_data` (see
+    :func:`_claim_shard_id`), never taken from the plan blindly.
+    """
 
     save_id: str
     rank: int
+
+
+# Every id this process named shard files with. A plan whose save id is in here is a cached
+# plan of an earlier save; its shards then get an id of their own (one short string per save).
+_shard_ids: set[str] = set()
+_shard_ids_lock = threading.Lock()
+
+
+def _claim_shard_id(*candidates: str | None) -> str:
+    """The id this rank names this save's shard files with: the first candidate (the plan's
+    save id, then the coordinator's own current one) that no earlier save of this process
+    used, else a new id of the same form. Unique per save per rank by construction, so no
+    two saves ever write the same object, whatever plan DCP's cache hands the rank."""
+    with _shard_ids_lock:
+        for candidate in candidates:
+            if candidate is not None and candidate not in _shard_ids:
+                _shard_ids.add(candidate)
+                return candidate
+        while (token := _layout.new_save_id()) in _shard_ids:
+            pass
+        _shard_ids.add(token)
+        return token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +253,9 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if not any(p.items for p in plans):
+        # With plan caching, ranks whose plan did not change send SavePlan([], usable=False)
+        # and reuse their cached plan: empty is an error only when no plan is cached.
+        if not any(p.items for p in plans) and all(p.usable for p in plans):
             raise errors.ConfigError(
                 f"the state dict is empty on every rank: nothing to save to "
                 f"{redact_url(self._url)}; pass the model/optimizer state you mean to checkpoint"
@@ -256,20 +286,28 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 "the save plan carries no dcp_volumes prefix: VolumeWriter.prepare_global_plan "
                 "did not run (is a custom planner dropping storage_data?)"
             )
-        results = self._write_live(plan.items, planner, prefix)
+        shard_id = _claim_shard_id(prefix.save_id, self._save_id)
+        if shard_id != prefix.save_id:
+            logger.debug("rank %d: the plan carries save id %s of an earlier save (a cached "
+                         "plan); naming this save's shards %s", self._rank, prefix.save_id,
+                         shard_id)
+        results = self._write_live(plan.items, planner, _SavePrefix(shard_id, prefix.rank),
+                                   plan_save_id=prefix.save_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def _write_live(self, items: list[WriteItem], planner: SavePlanner,
-                    prefix: _SavePrefix) -> list[WriteResult]:
-        """:meth:`_write_rank`, keeping the save's live record fresh meanwhile (so gc leaves
-        the save alone). A rank that fails removes the record: DCP commits a save only if
-        every rank succeeded, so what this save wrote is garbage now."""
+                    prefix: _SavePrefix, *, plan_save_id: str) -> list[WriteResult]:
+        """:meth:`_write_rank`, keeping the live record of the id in this rank's shard names
+        fresh meanwhile (so gc leaves those objects alone). A rank that fails removes the
+        record: DCP commits a save only if every rank succeeded, so what this save wrote is
+        garbage now. A rank-local id's record (a cached plan, see :func:`_claim_shard_id`)
+        is also removed on success: the coordinator removes only the save id's."""
         backend = self._backend()
         heartbeat = _commit.Heartbeat(backend, prefix.save_id).start()
         try:
-            return self._write_rank(items, planner, prefix)
+            results = self._write_rank(items, planner, prefix)
         except BaseException:
             heartbeat.stop()
             with contextlib.suppress(Exception):  # best effort: gc collects a stale record
@@ -277,6 +315,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             raise
         finally:
             heartbeat.stop()
+        if prefix.save_id != plan_save_id and heartbeat.beats:
+            with contextlib.suppress(Exception):
+                backend.run(lambda: _commit.end_live(backend, prefix.save_id))
+        return results
 
     def _write_rank(self, items: list[WriteItem], planner: SavePlanner,
                     prefix: _SavePrefix) -> list[WriteResult]:
@@ -301,7 +343,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         try:
             with _without_torch_zip_crc():
                 for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
-                    relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
+                    relative = _layout.shard_path(transfer.key_layout, prefix.rank, index,
+                                                  prefix.save_id)
                     upload = uploader.start_file(
                         relative,
                         functools.partial(SpoolFile, relative, mode=spool.mode,
@@ -370,13 +413,12 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         backend = self._backend()
         save_id = self._save_id
         start = time.monotonic()
-        manifest = _manifest_of(save_id, results)
-        metadata.storage_data = {wr.index: _StorageInfo(wr.storage_data.relative_path,
-                                                        wr.storage_data.offset,
-                                                        wr.storage_data.length)
-                                 for rank_results in results for wr in rank_results}
-        set_save_id(metadata, save_id, self._url)
-        metadata_bytes = pickle.dumps(metadata)
+        with paused_gc():  # a million items: see paused_gc
+            manifest = _manifest_of(save_id, results)
+            metadata.storage_data = {wr.index: _plain_storage_info(wr.storage_data)
+                                     for rank_results in results for wr in rank_results}
+            set_save_id(metadata, save_id, self._url)
+            metadata_bytes = pickle.dumps(metadata)
         stats = CallStats()
         try:
             try:
@@ -399,6 +441,14 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                               retries=prev.retries + stats.retries)
         logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url),
                     save_id, len(manifest.files), commit_s)
+
+
+def _plain_storage_info(info: Any) -> _StorageInfo:
+    """What ``.metadata`` records for an item: a plain ``_StorageInfo`` (reused as is when it
+    is one: a million items at rank 0 make the copy cost a second)."""
+    if type(info) is _StorageInfo:
+        return info
+    return _StorageInfo(info.relative_path, info.offset, info.length)
 
 
 def _manifest_of(save_id: str, results: list[list[WriteResult]]) -> Manifest:
