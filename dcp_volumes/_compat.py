@@ -1,23 +1,30 @@
 """The torch features dcp_volumes uses that not every supported torch release has.
 
-dcp_volumes supports torch 2.6 through 2.14 (``pyproject.toml``; CI runs the core tests on both
+dcp_volumes supports torch 2.8 through 2.14 (``pyproject.toml``; CI runs the core tests on both
 ends with ``scripts/test_torch_versions.sh``). Everything that differs across that range is
 detected here, from the API itself rather than from ``torch.__version__``, and the rest of the
 package asks this module instead of probing torch on its own.
 
-What differs (oldest release seen with each: 2.6 lacks it, 2.13 has it):
+What differs (2.8 lacks it, 2.13 has it):
 
-- ``no_dist=`` on ``dcp.save`` / ``dcp.load`` (:data:`HAS_NO_DIST`, :func:`no_dist`);
-- ``AsyncCheckpointerType`` and ``async_save(async_checkpointer_type=...)``: a PROCESS executor
-  besides the THREAD one (:data:`HAS_PROCESS_ASYNC_SAVE`, :func:`async_executor`);
 - ``AsyncSaveResponse``: ``async_save`` may return the staging and the upload futures apart
   (:func:`upload_future`);
 - torch's own staging stack, ``async_save(async_stager=...)`` with ``DefaultStager`` /
   ``StagingOptions`` (:data:`HAS_ASYNC_STAGER_ARG`; VolumeWriter stages by itself through the
   ``AsyncStager`` protocol, which every release in the range has);
-- plan caching, ``DefaultSavePlanner(enable_plan_caching=True)`` (:data:`HAS_PLAN_CACHING`);
 - ``rank=`` passed to ``set_up_storage_writer`` / ``set_up_storage_reader``
   (:func:`storage_rank`).
+
+Every supported release has the rest; it is detected all the same, so that on a torch without
+it dcp_volumes does without or fails with a message that names the feature: ``no_dist=`` on ``dcp.save`` / ``dcp.load``
+(:data:`HAS_NO_DIST`, :func:`no_dist`), ``AsyncCheckpointerType`` with its PROCESS executor
+(:data:`HAS_PROCESS_ASYNC_SAVE`, :func:`async_executor`), plan caching
+(:data:`HAS_PLAN_CACHING`) and the zip CRC32 switch (:func:`zip_crc32_options`).
+
+Why the floor is 2.8, not older: on 2.6 and 2.7, ``dist.destroy_process_group()`` can deadlock
+after an object collective on a gloo group (see :data:`GLOO_TEARDOWN_MAY_DEADLOCK`). DCP's own
+save and load use object collectives, and :class:`~dcp_volumes.Checkpointer` adds gloo groups
+even to an NCCL job, so a training script that tears its groups down at exit could hang there.
 """
 
 from __future__ import annotations
@@ -83,7 +90,9 @@ HAS_PLAN_CACHING: bool = _takes(DefaultSavePlanner.__init__, "enable_plan_cachin
 #: its worker threads while holding the GIL, and a worker that still holds the last reference to
 #: a tensor made in Python (a ``broadcast_object_list`` buffer) waits for the GIL to free it.
 #: A bug, not a feature, so the only test is the release: fixed by pytorch/pytorch#154976
-#: (June 2025, torch 2.8). Seen here on 2.6 in about one 2-rank save in ten.
+#: (June 2025, torch 2.8). Seen here on 2.6.0 and 2.7.1 within 3 to 19 init/broadcast/destroy
+#: cycles of 2 ranks, every time; never in 300 cycles on 2.8.0, 2.13.0 or 2.14.1. Below the
+#: supported range; kept so that ``dcp_volumes.testing.dist`` stays safe on such a torch.
 GLOO_TEARDOWN_MAY_DEADLOCK: bool = tuple(
     int(x) for x in TORCH_VERSION.split("+")[0].split(".")[:2]
 ) < (2, 8)
@@ -110,20 +119,21 @@ def no_dist() -> dict[str, bool]:
     return {}
 
 
-def async_executor(kind: str) -> dict[str, Any]:
+def async_executor(executor: str) -> dict[str, Any]:
     """Keyword arguments that make ``dcp.async_save`` upload in a ``"thread"`` or ``"process"``.
 
     Torch without ``AsyncCheckpointerType`` always uses a thread: ``"thread"`` gives ``{}``.
 
     Raises:
-        ConfigError: ``kind`` is ``"process"`` and this torch has no process executor, or
-            ``kind`` is neither.
+        ConfigError: ``executor`` is ``"process"`` and this torch has no process executor, or
+            ``executor`` is neither.
     """
-    if kind not in ("thread", "process"):
-        raise errors.ConfigError(f"async_save executor must be 'thread' or 'process', got {kind!r}")
+    if executor not in ("thread", "process"):
+        raise errors.ConfigError(
+            f"async_save executor must be 'thread' or 'process', got {executor!r}")
     if HAS_PROCESS_ASYNC_SAVE:
-        return {"async_checkpointer_type": _AsyncCheckpointerType[kind.upper()]}
-    if kind == "process":
+        return {"async_checkpointer_type": _AsyncCheckpointerType[executor.upper()]}
+    if executor == "process":
         raise errors.ConfigError(
             f"torch {TORCH_VERSION} has no AsyncCheckpointerType.PROCESS for dcp.async_save: "
             "use the thread executor or upgrade torch"

@@ -5,33 +5,42 @@
 #
 # The venvs live outside the repo and are reused: ${DCPV_TORCH_VENVS:-~/.cache/dcp_volumes/
 # torch-venvs}/torch-X.Y.Z, rebuilt only when what they install changes (a stamp holds its
-# hash). A cold run downloads each torch from the registry (a CUDA build, ~3 GB; 2.14.1 and
-# 2.13.0 lie on this machine's disk); a warm one installs nothing.
+# hash). A cold run downloads each torch from the registry (a CUDA build, ~3.7 GB installed;
+# 2.14.1 lies on this machine's disk); a warm one installs nothing.
 #
 # Usage: scripts/test_torch_versions.sh [PYTEST ARGS...]
 #   DCPV_TORCH_VERSIONS  versions to test (default: the two ends below)
 #   DCPV_TORCH_VENVS     where the venvs are kept
 #   DCPV_TORCH_TIMEOUT   seconds one version's pytest run may take (default 900)
-# Prints one line per version: "torch 2.6.0: N passed, N failed, N skipped". Exits non-zero if
+# Prints one line per version: "torch 2.8.0: N passed, N failed, N skipped". Exits non-zero if
 # any version fails, errors, or collects no test.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${REPO_ROOT}"
 
-# The ends of the supported range; pyproject.toml's torch bound must admit exactly these
-# minors at its ends (checked below), so the claim and the test cannot drift apart.
-OLDEST=2.6.0
+# The ends of the supported range; pyproject.toml's torch bound must name exactly these minors
+# at its ends (checked below), so the claim and the test cannot drift apart. Why 2.8 and not
+# older: dcp_volumes/_compat.py, GLOO_TEARDOWN_MAY_DEADLOCK.
+OLDEST=2.8.0
 NEWEST=2.14.1
 read -r -a VERSIONS <<< "${DCPV_TORCH_VERSIONS:-${OLDEST} ${NEWEST}}"
 VENVS="${DCPV_TORCH_VENVS:-${HOME}/.cache/dcp_volumes/torch-venvs}"
 PY="${PYTHON:-python3}"
 TIMEOUT="${DCPV_TORCH_TIMEOUT:-900}"
 
-# What the core tests import besides torch and dcp_volumes' own dependencies (fsspec, crc32c).
-# Versions come from constraints.txt, where it names them.
-TEST_DEPS=(fsspec crc32c pytest pytest-timeout pytest-xdist psutil "setuptools>=68" wheel)
-# The tests that need no server; the plugin deselects the rest of what these paths hold.
-TEST_PATHS=(tests/unit tests/conformance/test_local.py tests/integration)
+# dcp_volumes' own dependencies and what the core tests use. numpy: torch's object collectives
+# (broadcast_object_list, which DCP and the Checkpointer use) need it, and torch does not
+# declare it. Versions come from constraints.txt, where it names them.
+TEST_DEPS=(fsspec crc32c numpy pytest pytest-timeout pytest-xdist psutil "setuptools>=68" wheel)
+# The test modules that exercise torch: local and memory backends, 2-rank gloo (the
+# conformance suite's multi-rank and async tests), the Checkpointer, the CLI on file://.
+# Found by name anywhere under tests/, so moving a module between tiers needs no change here;
+# a module that is gone fails the run. The main suite runs everything else once: modules that
+# never touch torch (goodput, error translation, read planning, ...) and test_distributed.py,
+# whose 2-rank saves the conformance suite repeats. no_servers_plugin deselects what in these
+# needs an object-store server.
+CORE_TESTS=(test_local.py test_core_local.py test_hardening.py test_lifecycle_safety.py
+            test_catalog.py test_checkpointer.py test_cli.py test_plan_caching.py)
 
 check_bound() {
     "${PY}" - "${OLDEST}" "${NEWEST}" <<'EOF'
@@ -78,7 +87,7 @@ ensure_venv() {
     # torch alone first, at the exact version, with whatever its own dependencies resolve to.
     "${pip[@]}" install --no-cache-dir "torch==${version}"
     # Then the test tools, constrained to what is now installed, so that nothing can move
-    # torch or a library it pinned (torch 2.6 wants sympy 1.13.1, constraints.txt has 1.14).
+    # torch or a library it pinned (torch 2.6 wanted sympy 1.13.1 where constraints.txt has 1.14).
     local cons="${venv}/.dcpv-constraints.txt"
     "${venv}/bin/python" -m pip freeze --exclude-editable > "${cons}"
     pins "${TEST_DEPS[@]}" | grep -viF -f <(cut -d= -f1 "${cons}" | sed 's/$/==/') >> "${cons}" || true
@@ -99,7 +108,7 @@ EOF
 # summary VERSION LOG RC: one line from pytest's last line, e.g. "3 failed, 40 passed, ..."
 summary() {
     local line count word passed=0 failed=0 skipped=0 errors=0
-    line="$(grep -E '^=+ .*( in [0-9.]+s)' "$2" | tail -1 || true)"
+    line="$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$2" | tail -1 || true)"
     for word in passed failed skipped error errors; do
         count="$(grep -oE "[0-9]+ ${word}\b" <<< "${line}" | cut -d' ' -f1 || true)"
         case "${word}" in
@@ -113,7 +122,22 @@ summary() {
     echo "${text}"
 }
 
+core_paths() {
+    local name found
+    for name in "${CORE_TESTS[@]}"; do
+        found="$(find tests -name "${name}" -type f)"
+        if [[ -z "${found}" || "${found}" == *$'\n'* ]]; then
+            echo "test_torch_versions: want one tests/**/${name}, found: ${found:-none};" \
+                "update CORE_TESTS in $0" >&2
+            return 1
+        fi
+        echo "${found}"
+    done
+}
+
 check_bound
+mapfile -t TEST_PATHS < <(core_paths)
+(( ${#TEST_PATHS[@]} == ${#CORE_TESTS[@]} )) || exit 1
 mkdir -p "${VENVS}"
 logs="$(mktemp -d)"
 trap 'rm -rf "${logs}"' EXIT
@@ -124,8 +148,14 @@ for version in "${VERSIONS[@]}"; do
     # One setup at a time per venv: two CI jobs sharing the cache must not both pip into it.
     exec {lock}>"${VENVS}/torch-${version}.lock"
     flock "${lock}"
-    if ! ensure_venv "${version}"; then
-        lines+=("torch ${version}: venv setup failed")
+    # In a subshell of its own, not under `if`: bash ignores set -e in a function called as a
+    # condition, and a failed pip must not go on to write the stamp.
+    set +e
+    (set -e; ensure_venv "${version}")
+    rc=$?
+    set -e
+    if [[ ${rc} -ne 0 ]]; then
+        lines+=("torch ${version}: venv setup failed (exit ${rc})")
         status=1
         exec {lock}>&-
         continue
