@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -20,6 +22,7 @@ from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
+from dcp_volumes.transfer import cooperative
 from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
 from dcp_volumes.transfer.readplan import (
     apply_need,
@@ -51,6 +54,17 @@ class VolumeReader(Location, StorageReader):
             allows (containers, numbers, strings, tensors). An item that references
             anything else is refused with :class:`~dcp_volumes.errors.UnsafeCheckpointError`
             before it is unpickled: loading a checkpoint never runs code from storage.
+        cooperative: when several ranks need the same stored bytes (replicated state: DDP,
+            HSDP replicas), fetch each byte range once, on one of them, check it there and
+            send it to the others over the process group (gloo, CPU tensors).
+            ``"auto"`` (default): when ``dcp.load`` runs on the default process group and
+            some bytes are needed by more than one rank; otherwise direct reads.
+            ``True``: the same, but say in a WARNING why a load reads directly.
+            ``False``: every rank reads what it needs itself.
+        cooperative_timeout_s: in a cooperative load, the longest a rank waits for the
+            others at one step (a status report, one round's exchange) before it raises
+            :class:`~dcp_volumes.errors.DownloadError`: a rank that died or hangs fails the
+            load on every rank instead of stalling it.
     """
 
     def __init__(
@@ -63,6 +77,8 @@ class VolumeReader(Location, StorageReader):
         retry: RetryOptions | None = None,
         verify: bool = True,
         safe_globals: Sequence[Any] = (),
+        cooperative: bool | Literal["auto"] = "auto",
+        cooperative_timeout_s: float = 600.0,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -73,6 +89,17 @@ class VolumeReader(Location, StorageReader):
                 "safe_globals= must be a list of classes/functions (as for "
                 f"torch.serialization.add_safe_globals), got {type(safe_globals).__name__}")
         self.safe_globals = tuple(safe_globals)
+        if cooperative not in (True, False, "auto"):
+            raise errors.ConfigError(
+                f"cooperative= must be True, False or 'auto', got {cooperative!r}")
+        self.cooperative: bool | Literal["auto"] = cooperative
+        if (isinstance(cooperative_timeout_s, bool)
+                or not isinstance(cooperative_timeout_s, (int, float))
+                or not math.isfinite(cooperative_timeout_s) or cooperative_timeout_s <= 0):
+            raise errors.ConfigError(
+                f"cooperative_timeout_s= must be a number of seconds > 0, got "
+                f"{cooperative_timeout_s!r}")
+        self.cooperative_timeout_s = float(cooperative_timeout_s)
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
         self._rank = 0
@@ -134,10 +161,35 @@ class VolumeReader(Location, StorageReader):
         self.last_stats = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self.cooperative is False:
+            return plan
+        # what the coordinator needs to plan a cooperative load: who and where this rank is
+        return dataclasses.replace(plan, storage_data=cooperative.local_info())
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Plan a cooperative load when the ranks share bytes (see ``cooperative=``)."""
+        if self.cooperative is False:
+            return plans
+        url = redact_url(self._url)
+        try:
+            needs = [plan_needs(p.items, self._storage_data, self._manifest, url)
+                     for p in plans]
+        except errors.DCPVolumesError as exc:
+            # the rank concerned raises it in read_data, with its own reads at hand
+            logger.debug("no cooperative load of %s: %s", url, exc)
+            return plans
+        assigned, why = cooperative.assign(
+            needs, [p.storage_data for p in plans], unit_bytes=self.transfer.part_size,
+            gap=self.transfer.coalesce_gap)
+        if assigned is None or isinstance(why, str):
+            log = logger.warning if self.cooperative is True and len(plans) > 1 else logger.debug
+            log("%s: every rank reads directly: %s", url, why)
+            return plans
+        logger.info("cooperative load of %s on %d ranks: %d unique bytes (%d shared) fetched "
+                    "once instead of %d, in %d bundles and %d rounds", url, why.ranks,
+                    why.unique_bytes, why.shared_bytes, why.direct_bytes, why.bundles,
+                    why.rounds)
+        return [dataclasses.replace(p, storage_data=a) for p, a in zip(plans, assigned)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
@@ -147,13 +199,34 @@ class VolumeReader(Location, StorageReader):
             raise
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        backend = self._backend()
         url = redact_url(self._url)
+        start = time.monotonic()
+        if isinstance(plan.storage_data, cooperative.Assignment):
+            coop = cooperative.CooperativeRead(
+                plan.storage_data, url=url, planner=planner, trusted=self.safe_globals,
+                max_concurrency=self.transfer.max_concurrency,
+                part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
+                timeout_s=self.cooperative_timeout_s,
+            )
+            figures = coop.run(lambda: (self._backend(), plan_needs(
+                plan.items, self._storage_data, self._manifest, url)))
+            if figures is not None:
+                return self._done(LoadStats(
+                    rank=self._rank, bytes_needed=sum(n.needed for n in coop.needs),
+                    bytes_fetched=figures.bytes_fetched, items=len(coop.needs),
+                    ranges=figures.ranges, fetch_s=time.monotonic() - start,
+                    verified=self._manifest is not None,
+                    retries=figures.calls.retries + self._metadata_retries,
+                    cooperative=True, bytes_from_peers=figures.bytes_from_peers,
+                    bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
+                    peer_wait_s=figures.wait_s,
+                ), url)
+            # every rank agreed to read directly (the plan changed after it was made)
+        backend = self._backend()
         needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
         ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
                              max_size=self.transfer.max_range_size)
         stats = CallStats()
-        start = time.monotonic()
         fetched = 0
 
         def _missing(rng: RangeRequest, exc: BaseException) -> BaseException:
@@ -182,16 +255,20 @@ class VolumeReader(Location, StorageReader):
                 chunk = view[need.start - rng.start:need.end - rng.start]
                 check_need(need, chunk, url)
                 apply_need(need, chunk, planner, self.safe_globals)
-        self.last_stats = LoadStats(
+        return self._done(LoadStats(
             rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
             items=len(needs), ranges=len(ranges), fetch_s=time.monotonic() - start,
             verified=self._manifest is not None,
             retries=stats.retries + self._metadata_retries,
-        )
-        s = self.last_stats
-        logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s: %.2fs, %.1f MiB/s, "
-                    "%d retries, checksums %s", s.rank, s.bytes_fetched, s.bytes_needed, s.ranges,
-                    url, s.fetch_s, s.mib_per_s, s.retries,
+        ), url)
+
+    def _done(self, s: LoadStats, url: str) -> Future[None]:
+        self.last_stats = s
+        peers = (f", {s.bytes_from_peers} from other ranks and {s.bytes_to_peers} to them "
+                 f"in {s.rounds} rounds (waited {s.peer_wait_s:.2f}s)" if s.cooperative else "")
+        logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s%s: %.2fs, "
+                    "%.1f MiB/s, %d retries, checksums %s", s.rank, s.bytes_fetched,
+                    s.bytes_needed, s.ranges, url, peers, s.fetch_s, s.mib_per_s, s.retries,
                     "verified" if s.verified else "not available")
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -65,12 +65,20 @@ class LoadStats(_Figures):
     Attributes:
         rank: the rank these figures are from.
         bytes_needed: bytes of the stored items this rank's plan needed.
-        bytes_fetched: bytes actually fetched (coalesced ranges include small gaps).
+        bytes_fetched: bytes this rank fetched from the store (coalesced ranges include
+            small gaps; in a cooperative load, the ranges it fetched for every rank).
         items: stored items read.
-        ranges: ranged GETs made.
+        ranges: ranged GETs planned (a range longer than a part is fetched in parts).
         fetch_s: seconds from the first GET to the last item copied into place.
         verified: whether checksums were verified (False for checkpoints without a manifest).
         retries: transient failures retried.
+        cooperative: whether the ranks loaded cooperatively (``VolumeReader(cooperative=)``):
+            each shared byte range fetched once, by one rank, and sent to the others.
+        bytes_from_peers: bytes received from other ranks instead of the store.
+        bytes_to_peers: bytes sent to other ranks (each consumer counted).
+        rounds: exchange rounds of a cooperative load (memory is bounded per round).
+        peer_wait_s: part of ``fetch_s`` spent waiting on other ranks: their status reports
+            and the exchange.
     """
 
     rank: int = 0
@@ -81,6 +89,11 @@ class LoadStats(_Figures):
     fetch_s: float = 0.0
     verified: bool = False
     retries: int = 0
+    cooperative: bool = False
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
+    rounds: int = 0
+    peer_wait_s: float = 0.0
 
     @property
     def mib_per_s(self) -> float:

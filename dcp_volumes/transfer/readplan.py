@@ -15,7 +15,7 @@ import pickle
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import crc32c
 import torch
@@ -26,8 +26,8 @@ from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import ItemEntry, Manifest
 from dcp_volumes.transfer.download import RangeRequest
 
-__all__ = ["Need", "apply_need", "check_need", "check_object_item", "describe", "plan_needs",
-           "plan_ranges"]
+__all__ = ["DirectTarget", "Need", "Span", "apply_need", "check_need", "check_object_item",
+           "describe", "direct_target", "plan_needs", "plan_ranges"]
 
 
 @dataclass
@@ -120,10 +120,23 @@ def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
                 length, reads, entry, b0, sum(math.prod(r.lengths) * es for r in reads))
 
 
-def plan_ranges(needs: list[Need], *, gap: int, max_size: int) -> list[RangeRequest]:
-    """Sort each file's needs by offset and coalesce neighbours into ranged GETs."""
+class Span(Protocol):
+    """Anything with a byte span ``[start, end)`` of a file (a :class:`Need`, or the
+    cooperative load's bundles)."""
+
+    @property
+    def relative(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+def plan_ranges(needs: Sequence[Span], *, gap: int, max_size: int) -> list[RangeRequest]:
+    """Sort each file's spans by offset and coalesce neighbours into ranged GETs; each
+    range's ``items`` are the spans it serves."""
     ranges: list[RangeRequest] = []
-    by_file: dict[str, list[Need]] = {}
+    by_file: dict[str, list[Span]] = {}
     for need in needs:
         by_file.setdefault(need.relative, []).append(need)
     for relative in sorted(by_file):
@@ -252,6 +265,45 @@ def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
     tensor = cast(torch.Tensor, torch.load(io.BytesIO(chunk), map_location="cpu",
                                            weights_only=True))
     _copy_into(read, narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths), planner)
+
+
+@dataclass(frozen=True)
+class DirectTarget:
+    """Where a need's raw tensor bytes land in its target: file bytes ``[start, end)`` are
+    ``view`` (the target's memory as bytes), so they can be written there as they arrive
+    (and ``planner.commit_tensor(read, target)`` called once all of them have)."""
+
+    read: ReadItem
+    target: torch.Tensor
+    view: torch.Tensor
+    start: int
+    end: int
+
+
+def direct_target(need: Need, planner: LoadPlanner) -> DirectTarget | None:
+    """The :class:`DirectTarget` of a block-read need with a single read whose elements are
+    one contiguous run both in the stored tensor and in a contiguous CPU target of the same
+    dtype and shape; None otherwise (the bytes then go through :func:`apply_need`)."""
+    entry = need.entry
+    if need.first_block is None or entry is None or entry.data_offset is None \
+            or len(need.reads) != 1:
+        return None
+    read = need.reads[0]
+    dtype = getattr(torch, entry.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    first, stop = _element_span(read, _contiguous_strides(entry.shape))
+    count = math.prod(read.lengths)
+    if stop - first != count:
+        return None  # the read's elements are strided in the stored tensor
+    target = planner.resolve_tensor(read).detach()
+    if (target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous()
+            or tuple(target.size()) != tuple(read.lengths)):
+        return None
+    es = target.element_size()
+    start = need.item_offset + entry.data_offset + first * es
+    view = target.reshape(-1).view(torch.uint8)
+    return DirectTarget(read, target, view, start, start + count * es)
 
 
 def _copy_into(read: ReadItem, tensor: torch.Tensor, planner: LoadPlanner) -> None:
