@@ -7,9 +7,17 @@
       .dcpv-manifest-<save_id>.json        integrity sidecar of save <save_id>
       __<rank>_<i>-<save_id>.distcp        shard files of save <save_id>
       .dcpv-live-<save_id>.json            live record of save <save_id> while it runs
+      <hh>/__<rank>_<i>-<save_id>.distcp   shard files with TransferOptions(key_layout="hashed")
 
 Shard and manifest names carry the save id, so two saves never write the same object:
 an overwrite leaves the old save intact until the new ``.metadata`` replaces the old one.
+
+With the opt-in hashed layout (:func:`hashed_shard_name`) each shard file sits one directory
+down, in one of 256 directories named by two hex digits hashed from its rank and file index,
+so that a save's requests spread over many key prefixes (S3 rates are per partitioned prefix).
+The directory depends on (rank, index) only: the same rank's files land under the same
+prefixes save after save. ``.metadata`` records the relative paths, so readers need nothing
+else to find the files.
 
 The live record says "save <save_id> may still be running": the coordinator writes it at plan
 time, every rank rewrites it every :data:`LIVE_REFRESH_S` seconds while it uploads, and the
@@ -23,6 +31,7 @@ import posixpath
 import re
 import secrets
 import time
+import zlib
 
 from dcp_volumes.errors import UnsafeCheckpointError
 
@@ -33,12 +42,14 @@ __all__ = [
     "MANIFEST_PREFIX",
     "METADATA",
     "check_relative_path",
+    "hashed_shard_name",
     "live_name",
     "live_save_id_of",
     "manifest_name",
     "new_save_id",
     "save_id_of",
     "shard_name",
+    "shard_path",
 ]
 
 METADATA = ".metadata"
@@ -52,7 +63,8 @@ LIVE_REFRESH_S = 30.0
 LIVE_STALE_S = 4 * LIVE_REFRESH_S
 
 _SAVE_ID_RE = r"[0-9a-f]{8}-[0-9a-f]{12}"
-_SHARD_RE = re.compile(rf"^__(\d+)_(\d+)-({_SAVE_ID_RE})\.distcp$")
+# Flat (``__0_1-<id>.distcp``) or hashed (``3f/__0_1-<id>.distcp``) shard names.
+_SHARD_RE = re.compile(rf"^(?:[0-9a-f]{{2}}/)?__(\d+)_(\d+)-({_SAVE_ID_RE})\.distcp$")
 _MANIFEST_RE = re.compile(rf"^{re.escape(MANIFEST_PREFIX)}({_SAVE_ID_RE})\.json$")
 _LIVE_RE = re.compile(rf"^{re.escape(LIVE_PREFIX)}({_SAVE_ID_RE})\.json$")
 
@@ -64,6 +76,19 @@ def new_save_id() -> str:
 
 def shard_name(rank: int, index: int, save_id: str) -> str:
     return f"__{rank}_{index}-{save_id}{SHARD_SUFFIX}"
+
+
+def hashed_shard_name(rank: int, index: int, save_id: str) -> str:
+    """:func:`shard_name` under its hashed prefix directory (``3f/__0_1-<id>.distcp``)."""
+    digest = zlib.crc32(f"{rank}_{index}".encode()) & 0xFF
+    return f"{digest:02x}/{shard_name(rank, index, save_id)}"
+
+
+def shard_path(layout: str, rank: int, index: int, save_id: str) -> str:
+    """The relative path of a shard file in ``layout`` (``"flat"`` or ``"hashed"``)."""
+    if layout == "hashed":
+        return hashed_shard_name(rank, index, save_id)
+    return shard_name(rank, index, save_id)
 
 
 def manifest_name(save_id: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, open_backend, parse_url
-from dcp_volumes.config import RetryOptions
+from dcp_volumes.config import RetryOptions, TransferOptions
 
 __all__ = ["Location"]
 
@@ -43,7 +43,11 @@ class Location:
 
     def _backend(self) -> Backend:
         if self._backend_obj is None:
-            self._backend_obj = open_backend(self._url, self._storage_options, self.retry)
+            backend = open_backend(self._url, self._storage_options, self.retry)
+            transfer = getattr(self, "transfer", None)  # writers' and readers' TransferOptions
+            if isinstance(transfer, TransferOptions) and not transfer.throttle_backoff:
+                backend.throttle = None  # retries only: no pacing, no concurrency cuts
+            self._backend_obj = backend
         return self._backend_obj
 
     def _switch_url(self, checkpoint_id: str | os.PathLike[str] | None) -> None:

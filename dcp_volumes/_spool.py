@@ -89,8 +89,11 @@ def _host_tag() -> str:
 
 
 def spool_file_name(shard: str) -> str:
-    """``dcpv-<host>-<pid>-<shard>``: whose file it is, so a later save can tell it is dead."""
-    return f"dcpv-{_host_tag()}-{os.getpid()}-{shard}"
+    """``dcpv-<host>-<pid>-<shard>``: whose file it is, so a later save can tell it is dead.
+
+    Only the shard's file name counts: a hashed layout's prefix directory (``3f/``) is a
+    store-side matter, and the spool directory stays flat."""
+    return f"dcpv-{_host_tag()}-{os.getpid()}-{shard.rsplit('/', 1)[-1]}"
 
 
 _SPOOL_NAME_RE = re.compile(

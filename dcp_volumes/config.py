@@ -82,6 +82,18 @@ class TransferOptions:
         coalesce_gap: on load, neighbouring byte ranges of one file closer than this are fetched
             with one GET (the gap is read and discarded).
         max_range_size: on load, coalesced ranges stop growing past this size.
+        throttle_backoff: react to throttling (S3 ``SlowDown``, HTTP 429/503, Azure
+            ``ServerBusy``): this process then paces its requests to that bucket, cutting
+            the rate to 0.7× what it sent on each throttle and growing it back linearly,
+            shared by every save and load of the process; and each save halves its parts
+            in flight, then adds one back per part that finishes without a further cut.
+            ``False``: retries (backoff with full jitter) are the only reaction, as before.
+        key_layout: ``"flat"`` puts every shard file right under the checkpoint directory
+            (torch's own layout). ``"hashed"`` puts each shard file under a two-hex-digit
+            directory hashed from its rank and file index (``<ckpt>/3f/__0_0-….distcp``), so
+            a save's requests spread over up to 256 key prefixes, which S3 can partition
+            apart. Both load with ``VolumeReader`` and with torch's own readers (see
+            ``docs/configuration.md``).
     """
 
     part_size: int = 16 * MiB
@@ -89,6 +101,8 @@ class TransferOptions:
     adaptive_concurrency: bool = True
     coalesce_gap: int = 1 * MiB
     max_range_size: int = 32 * MiB
+    throttle_backoff: bool = True
+    key_layout: Literal["flat", "hashed"] = "flat"
 
     def __post_init__(self) -> None:
         _positive_int("TransferOptions.part_size", self.part_size, "e.g. 16 * 2**20")
@@ -112,6 +126,12 @@ class TransferOptions:
         if not isinstance(self.adaptive_concurrency, bool):
             raise ConfigError("TransferOptions.adaptive_concurrency must be True or False, got "
                               f"{self.adaptive_concurrency!r}")
+        if not isinstance(self.throttle_backoff, bool):
+            raise ConfigError("TransferOptions.throttle_backoff must be True or False, got "
+                              f"{self.throttle_backoff!r}")
+        if self.key_layout not in ("flat", "hashed"):
+            raise ConfigError(f"TransferOptions.key_layout must be 'flat' (the default, torch's "
+                              f"layout) or 'hashed', got {self.key_layout!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +139,10 @@ class RetryOptions:
     """Retries of transient failures (throttling, 5xx, resets, timeouts).
 
     Attributes:
-        max_attempts: attempts per request, the first included.
+        max_attempts: attempts per request, the first included. With
+            ``TransferOptions.throttle_backoff`` on, a throttle answer (SlowDown, 429, 503)
+            spends a quarter of one: the process's pacing keeps those retries from adding
+            load.
         initial_backoff_s: backoff before the first retry; doubles each retry.
         max_backoff_s: cap of one backoff.
         jitter: draw each backoff uniformly in ``[0, backoff]`` ("full jitter").

@@ -343,7 +343,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         try:
             with _without_torch_zip_crc():
                 for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
-                    relative = _layout.shard_name(prefix.rank, index, prefix.save_id)
+                    relative = _layout.shard_path(transfer.key_layout, prefix.rank, index,
+                                                  prefix.save_id)
                     upload = uploader.start_file(
                         relative,
                         functools.partial(SpoolFile, relative, mode=spool.mode,

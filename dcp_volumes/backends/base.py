@@ -2,8 +2,10 @@
 
 A :class:`Backend` owns the filesystem client, the event loop its calls run on, and the one
 choke point (:meth:`Backend.call`) through which every request goes: retries of transient
-errors with capped exponential backoff and full jitter, and translation of the final error
-into :mod:`dcp_volumes.errors` (:mod:`dcp_volumes.backends.translate`). Each store's module
+errors with capped exponential backoff and full jitter, pacing by the process's
+:class:`~dcp_volumes.transfer.adaptive.StoreThrottle` for the store once it throttles, and
+translation of the final error into :mod:`dcp_volumes.errors`
+(:mod:`dcp_volumes.backends.translate`). Each store's module
 subclasses it, states its capabilities as class attributes, and overrides the raw calls
 that differ from plain fsspec. Nothing outside :mod:`dcp_volumes.backends` branches on
 which store it talks to.
@@ -26,21 +28,40 @@ import fsspec.asyn
 
 from dcp_volumes import errors
 from dcp_volumes.backends.translate import (
+    is_throttle,
     is_transient,
     redact_url,
     status_and_code,
     translate_error,
 )
 from dcp_volumes.config import RetryOptions
+from dcp_volumes.transfer.adaptive import StoreThrottle, store_throttle
 
 if TYPE_CHECKING:
     from dcp_volumes.backends.sink import Sink
 
-__all__ = ["Backend", "CallStats", "ObjectInfo", "StaleUpload", "never_retry", "to_epoch"]
+__all__ = [
+    "THROTTLES_PER_ATTEMPT",
+    "THROTTLE_RETRY_DOUBLINGS",
+    "Backend",
+    "CallStats",
+    "ObjectInfo",
+    "StaleUpload",
+    "never_retry",
+    "to_epoch",
+]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: with the reaction to throttling on, a throttled request's backoff stops doubling after
+#: this many doublings (still drawn with full jitter): the store's pacer is what slows down
+THROTTLE_RETRY_DOUBLINGS = 1
+#: with the reaction on, this many throttle answers spend one of ``max_attempts``: the pacer
+#: keeps such retries from adding load, and quick retries must not use up a request's
+#: attempts within the first second of a throttling storm (``deadline_s`` still bounds them)
+THROTTLES_PER_ATTEMPT = 4
 
 
 def never_retry(_: BaseException) -> bool:
@@ -50,18 +71,21 @@ def never_retry(_: BaseException) -> bool:
 
 @dataclass
 class CallStats:
-    """Counters shared by every call of one save or load."""
+    """Counters shared by every call of one save or load (``throttled``: retries that
+    answered a throttle, SlowDown / 429 / 503; they are counted in ``retries`` too)."""
 
     retries: int = 0
     requests: int = 0
+    throttled: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def add(self, *, retries: int = 0, requests: int = 0) -> None:
+    def add(self, *, retries: int = 0, requests: int = 0, throttled: int = 0) -> None:
         with self._lock:
             self.retries += retries
             self.requests += requests
+            self.throttled += throttled
 
 
 def to_epoch(value: Any) -> float | None:
@@ -162,6 +186,13 @@ class Backend:
             )
         self.is_async = bool(getattr(fs, "async_impl", False))
         self.loop = fs.loop if self.is_async else fsspec.asyn.get_loop()
+        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get(
+            "endpoint_url") or opts.get("account_name") or ""
+        #: (scheme, endpoint, bucket): what one :class:`StoreThrottle` is shared over
+        self.store_key: tuple[str, ...] = (self.scheme, str(endpoint), self.bucket)
+        #: this process's pacing for the store; ``None`` turns the reaction to throttling
+        #: off (retries only: ``TransferOptions(throttle_backoff=False)``)
+        self.throttle: StoreThrottle | None = store_throttle(self.store_key)
 
     # ---- configuration hooks -----------------------------------------------------------
     @classmethod
@@ -218,45 +249,70 @@ class Backend:
         stats: CallStats | None = None,
         retry_if: Callable[[BaseException], bool] = is_transient,
     ) -> T:
-        """Await ``fn()`` with retries on transient errors; translate the final error."""
+        """Await ``fn()`` with retries on transient errors; translate the final error.
+
+        Every attempt first takes its turn at the store's :attr:`throttle` (no wait until the
+        store has throttled this process), and reports back: a throttle answer (SlowDown,
+        429, 503: :func:`~dcp_volumes.backends.translate.is_throttle`) cuts the process's
+        rate to the store, answers recover it. The backoff before a retry keeps full jitter;
+        for a throttle answer, while the pacer is on, it stops doubling after
+        :data:`THROTTLE_RETRY_DOUBLINGS` (the pacer does the slowing down), and it spends
+        only ``1 / THROTTLES_PER_ATTEMPT`` of ``max_attempts`` (the deadline still bounds it).
+        """
         policy = self.retry
+        throttle = self.throttle
         attempt = 0
+        spent = 0.0  # of policy.max_attempts
         start = time.monotonic()
         while True:
             attempt += 1
+            started = await throttle.turn() if throttle is not None else 0.0
             try:
                 if policy.deadline_s is None:
                     result = await fn()
                 else:  # the deadline bounds the request end to end, a hung attempt included
                     remaining = policy.deadline_s - (time.monotonic() - start)
                     result = await asyncio.wait_for(fn(), timeout=max(remaining, 0.001))
+                if throttle is not None:
+                    throttle.on_success(started)
                 if stats is not None:
                     stats.add(requests=1)
                 return result
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                throttled = is_throttle(exc)
+                paced = throttled and throttle is not None and policy.max_attempts > 1
+                if throttled and throttle is not None:
+                    throttle.on_throttle(started)
+                spent += 1.0 / THROTTLES_PER_ATTEMPT if paced else 1.0
                 elapsed = time.monotonic() - start
                 if (
                     not retry_if(exc)
-                    or attempt >= policy.max_attempts
+                    or spent >= policy.max_attempts
                     or (policy.deadline_s is not None and elapsed >= policy.deadline_s)
                 ):
                     logger.debug("%s %s failed on attempt %d: %s", op, redact_url(url), attempt,
                                  type(exc).__name__)
                     raise translate_error(exc, url=url, op=op) from exc
-                backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2 ** (attempt - 1))
+                doublings = attempt - 1
+                if paced:
+                    # The pacer has slowed the whole process down already; a retry that also
+                    # backed off exponentially would sit out the capacity the pacing allows.
+                    doublings = min(doublings, THROTTLE_RETRY_DOUBLINGS)
+                backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2**doublings)
                 delay = random.uniform(0, backoff) if policy.jitter else backoff
                 if policy.deadline_s is not None:
                     delay = min(delay, max(0.0, policy.deadline_s - elapsed))
                 status, code = status_and_code(exc)
                 logger.warning(
-                    "%s %s: transient %s, retry %d/%d in %.2fs", op, redact_url(url),
+                    "%s %s: transient %s, retry %d (%.2f of %d attempts spent) in %.2fs%s",
+                    op, redact_url(url),
                     code or (f"HTTP {status}" if status else type(exc).__name__),
-                    attempt, policy.max_attempts - 1, delay,
+                    attempt, spent, policy.max_attempts, delay, ", paced" if paced else "",
                 )
                 if stats is not None:
-                    stats.add(retries=1, requests=1)
+                    stats.add(retries=1, requests=1, throttled=int(throttled))
                 await asyncio.sleep(delay)
 
     # ---- latency probe -----------------------------------------------------------------

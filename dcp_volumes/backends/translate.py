@@ -3,7 +3,10 @@
 Classification looks at exception types, HTTP status codes and service error codes, never at
 message strings. :func:`translate_error` maps whatever a client raised onto the
 :mod:`dcp_volumes.errors` hierarchy; :func:`is_transient` decides what the choke point
-(:meth:`Backend.call <dcp_volumes.backends.base.Backend.call>`) retries.
+(:meth:`Backend.call <dcp_volumes.backends.base.Backend.call>`) retries, and
+:func:`is_throttle` which of those retries mean "the store wants fewer requests" (the choke
+point then slows this process's requests to that store down:
+:class:`~dcp_volumes.transfer.adaptive.StoreThrottle`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import re
 
 from dcp_volumes import errors
 
-__all__ = ["is_transient", "redact_url", "status_and_code", "translate_error"]
+__all__ = ["is_throttle", "is_transient", "redact_url", "status_and_code", "translate_error"]
 
 # Service error codes (S3 ``Error.Code``) that mean "try again later".
 _TRANSIENT_CODES = frozenset(
@@ -34,6 +37,33 @@ _TRANSIENT_CODES = frozenset(
         "OperationTimedOut",
     }
 )
+# Service error codes that say "too many requests" (a subset of the transient ones plus the
+# spellings other services use): S3 SlowDown (503), Azure ServerBusy (503), GCS
+# rateLimitExceeded (429), the AWS SDKs' throttling family.
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "SlowDownRead",
+        "SlowDownWrite",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "ServerBusy",
+        "ServiceUnavailable",
+        "BandwidthLimitExceeded",
+        "ProvisionedThroughputExceededException",
+        "rateLimitExceeded",
+        "userRateLimitExceeded",
+    }
+)
+# HTTP statuses that mean the same whatever the body says: 429 Too Many Requests, and 503,
+# which S3, Azure Blob and GCS all answer when a prefix/partition/account is over its rate.
+_THROTTLE_STATUSES = frozenset({429, 503})
 _PERMISSION_CODES = frozenset(
     {
         "AccessDenied",
@@ -144,6 +174,18 @@ def is_transient(exc: BaseException) -> bool:
         return True
     return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ETIMEDOUT,
                                                         errno.EPIPE)
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """True when the store refused the request because it gets too many (SlowDown, 429, 503).
+
+    A throttle is transient (:func:`is_transient`), and more: retrying at the same pace keeps
+    it going, so the choke point slows this process's requests to the store down.
+    """
+    if isinstance(exc, errors.DCPVolumesError):
+        return False
+    status, code = status_and_code(exc)
+    return code in _THROTTLE_CODES or status in _THROTTLE_STATUSES
 
 
 def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolumesError:

@@ -2,7 +2,9 @@
 
 Serialization runs in the caller's thread; every network call runs on the backend's event
 loop, through the backend's choke point, with at most ``limit`` parts in flight
-(:class:`~dcp_volumes.transfer.adaptive.AdaptiveLimit`). Each shard file goes to the store
+(:class:`~dcp_volumes.transfer.adaptive.AdaptiveLimit`; it follows the process's
+:class:`~dcp_volumes.transfer.adaptive.StoreThrottle` for the store, ``backend.throttle``,
+when the store throttles). Each shard file goes to the store
 through the backend's *sink* (:meth:`Backend.make_sink`): S3 multipart, Azure staged
 blocks, local ``pwrite``, or the filesystem's own ordered stream.
 """
@@ -111,7 +113,8 @@ class Uploader:
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self.bytes_uploaded = 0
-        self.limit = backend.run(lambda: make_limit(max_concurrency, adaptive))
+        self.limit = backend.run(lambda: make_limit(max_concurrency, adaptive,
+                                                    backend.throttle))
         # The store's round-trip time decides where the limit starts; measured while the
         # first part serializes (a far store is switched to max_concurrency when it answers).
         self._probe: concurrent.futures.Future[None] | None = None
