@@ -141,8 +141,9 @@ class RetryOptions:
     Attributes:
         max_attempts: attempts per request, the first included. With
             ``TransferOptions.throttle_backoff`` on, a throttle answer (SlowDown, 429, 503)
-            spends a quarter of one: the process's pacing keeps those retries from adding
-            load.
+            spends a quarter of one while the store answers the process's other requests
+            (the pacing keeps those retries from adding load); a store that refuses
+            everything gets whole attempts.
         initial_backoff_s: backoff before the first retry; doubles each retry.
         max_backoff_s: cap of one backoff.
         jitter: draw each backoff uniformly in ``[0, backoff]`` ("full jitter").

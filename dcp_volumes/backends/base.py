@@ -58,9 +58,12 @@ T = TypeVar("T")
 #: with the reaction to throttling on, a throttled request's backoff stops doubling after
 #: this many doublings (still drawn with full jitter): the store's pacer is what slows down
 THROTTLE_RETRY_DOUBLINGS = 1
-#: with the reaction on, this many throttle answers spend one of ``max_attempts``: the pacer
+#: with the reaction on, this many throttle answers spend one of ``max_attempts``, while the
+#: store answers other requests of the process (it is rate-limiting, not down): the pacer
 #: keeps such retries from adding load, and quick retries must not use up a request's
-#: attempts within the first second of a throttling storm (``deadline_s`` still bounds them)
+#: attempts within the first second of a throttling storm (``deadline_s`` still bounds them).
+#: A store that refuses every request since this one started gets whole attempts: a dead
+#: store fails a save as fast with the reaction on as without it
 THROTTLES_PER_ATTEMPT = 4
 
 
@@ -256,17 +259,21 @@ class Backend:
         429, 503: :func:`~dcp_volumes.backends.translate.is_throttle`) cuts the process's
         rate to the store, answers recover it. The backoff before a retry keeps full jitter;
         for a throttle answer, while the pacer is on, it stops doubling after
-        :data:`THROTTLE_RETRY_DOUBLINGS` (the pacer does the slowing down), and it spends
-        only ``1 / THROTTLES_PER_ATTEMPT`` of ``max_attempts`` (the deadline still bounds it).
+        :data:`THROTTLE_RETRY_DOUBLINGS` (the pacer does the slowing down), and, while the
+        store still answers other requests of the process, it spends only
+        ``1 / THROTTLES_PER_ATTEMPT`` of ``max_attempts`` (the deadline still bounds it).
         """
         policy = self.retry
         throttle = self.throttle
         attempt = 0
         spent = 0.0  # of policy.max_attempts
         start = time.monotonic()
+        first_started: float | None = None
         while True:
             attempt += 1
             started = await throttle.turn() if throttle is not None else 0.0
+            if first_started is None:
+                first_started = started
             try:
                 if policy.deadline_s is None:
                     result = await fn()
@@ -285,7 +292,10 @@ class Backend:
                 paced = throttled and throttle is not None and policy.max_attempts > 1
                 if throttled and throttle is not None:
                     throttle.on_throttle(started)
-                spent += 1.0 / THROTTLES_PER_ATTEMPT if paced else 1.0
+                # a fraction of an attempt only while the store serves others (rate-limiting);
+                # a store that refused everything since this request started is down
+                cheap = paced and throttle is not None and throttle.answered_since(first_started)
+                spent += 1.0 / THROTTLES_PER_ATTEMPT if cheap else 1.0
                 elapsed = time.monotonic() - start
                 if (
                     not retry_if(exc)

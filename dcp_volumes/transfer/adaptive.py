@@ -129,6 +129,7 @@ class StoreThrottle:
         self._cut_at = -float("inf")  # when the rate was last cut
         self._step = 0.0  # requests/s regained per second of unthrottled requests
         self._peak = 0.0  # the highest rate cut from since the last reset
+        self._answered = -float("inf")  # start time of the latest request answered
         self._starts: collections.deque[float] = collections.deque()
 
     # ---- the request side --------------------------------------------------------------
@@ -164,6 +165,7 @@ class StoreThrottle:
 
     def on_success(self, started: float) -> None:
         """A request that started at ``started`` was answered (not throttled)."""
+        self._answered = max(self._answered, started)  # a race loses one update at worst
         if self.rate is None or started <= self._cut_at:
             return  # not paced, or an answer to the rate before the last cut
         with self._lock:
@@ -172,6 +174,12 @@ class StoreThrottle:
                     self.rate += self._step / self.rate  # + step per second
                 else:
                     self.rate += RATE_PROBE  # × e^RATE_PROBE per second
+
+    def answered_since(self, started: float) -> bool:
+        """Whether the store answered (did not throttle) a request of this process that
+        started at or after ``started``: a store that throttles while it serves others is
+        rate-limiting; one that refuses everything is down, and its refusals are errors."""
+        return self._answered >= started
 
     def on_throttle(self, started: float) -> bool:
         """The store throttled a request that started at ``started``; returns whether this

@@ -507,15 +507,30 @@ def test_throttled_retries_stop_doubling_while_paced(monkeypatch: pytest.MonkeyP
     assert drawn == [0.001, 0.002, 0.004]
 
 
+class _ServingOthers(_Flaky):
+    """Throttled ``times`` times while the store answers the process's other requests (each
+    call first records one such answer): a store that rate-limits, not one that is down."""
+
+    def __init__(self, exc: BaseException, times: int, throttle: StoreThrottle) -> None:
+        super().__init__(exc, times)
+        self.throttle = throttle
+
+    async def __call__(self) -> str:
+        self.throttle.on_success(adaptive.time.monotonic())
+        return await super().__call__()
+
+
 @pytest.mark.parametrize("react", [True, False], ids=["reaction-on", "reaction-off"])
 def test_paced_throttles_spend_a_fraction_of_an_attempt(react: bool) -> None:
     from dcp_volumes.backends.base import THROTTLES_PER_ATTEMPT
 
     backend = open_backend("memory://throttle-attempts/ckpt", None,
                            RetryOptions(max_attempts=3, initial_backoff_s=0.0))
-    backend.throttle = _Unpaced() if react else None
-    # (max_attempts - 1) × THROTTLES_PER_ATTEMPT throttles, then an answer
-    fn = _Flaky(_ClientError("SlowDown", 503), 2 * THROTTLES_PER_ATTEMPT)
+    throttle = _Unpaced()
+    backend.throttle = throttle if react else None
+    # (max_attempts - 1) × THROTTLES_PER_ATTEMPT throttles, then an answer, while the store
+    # answers the process's other requests
+    fn = _ServingOthers(_ClientError("SlowDown", 503), 2 * THROTTLES_PER_ATTEMPT, throttle)
     if react:
         assert backend.run(lambda: backend.call(fn, op="upload", url="x")) == "ok"
         assert fn.calls == 2 * THROTTLES_PER_ATTEMPT + 1
@@ -535,6 +550,22 @@ def test_paced_throttles_spend_a_fraction_of_an_attempt(react: bool) -> None:
     with pytest.raises(errors.UploadError):
         once.run(lambda: once.call(single, op="upload", url="x"))
     assert single.calls == 1
+
+
+def test_a_store_that_refuses_everything_gets_whole_attempts() -> None:
+    """A dead store (503 SlowDown to every request since this one started) fails a request
+    after max_attempts, as fast as without the reaction; an answer to another request that
+    started before this one does not make it look alive."""
+    backend = open_backend("memory://throttle-dead/ckpt", None,
+                           RetryOptions(max_attempts=3, initial_backoff_s=0.0))
+    throttle = _Unpaced()
+    backend.throttle = throttle
+    throttle.on_success(adaptive.time.monotonic())  # an earlier request was answered
+    fn = _Flaky(_ClientError("SlowDown", 503), 100)
+    with pytest.raises(errors.UploadError, match="SlowDown"):
+        backend.run(lambda: backend.call(fn, op="upload", url="x"))
+    assert fn.calls == 3
+    assert throttle.throttled == 3
 
 
 def test_choke_point_does_not_cut_on_other_transient_errors() -> None:
