@@ -22,12 +22,13 @@ from __future__ import annotations
 from dcp_volumes.testing._suite_durability import DurabilityTests
 from dcp_volumes.testing._suite_faults import FaultTests
 from dcp_volumes.testing._suite_safety import SafetyTests
+from dcp_volumes.testing._suite_scale import ScaleTests
 from dcp_volumes.testing._suite_support import SlowPlanner, Store, failures_of
 
 __all__ = ["CheckpointStoreTests", "SlowPlanner", "Store", "failures_of"]
 
 
-class CheckpointStoreTests(DurabilityTests, FaultTests, SafetyTests):
+class CheckpointStoreTests(DurabilityTests, FaultTests, SafetyTests, ScaleTests):
     """Conformance tests every dcp_volumes backend must pass (see ``docs/conformance.md``).
 
     Capability flags and the ``store`` fixture: see

@@ -13,6 +13,8 @@ _WRONG_KEY = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ
 
 
 class TestAzurite(CheckpointStoreTests):
+    # the 8-rank tests run on SeaweedFS (S3) and local files; here they would add minutes
+    many_ranks = 0
     @pytest.fixture
     def store(self, azurite) -> Store:
         opts = azurite.server.storage_options()

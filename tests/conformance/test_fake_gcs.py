@@ -14,6 +14,8 @@ pytestmark = pytest.mark.xdist_group("fake-gcs")
 
 
 class TestFakeGCS(CheckpointStoreTests):
+    # the 8-rank tests run on SeaweedFS (S3) and local files; here they would add minutes
+    many_ranks = 0
     persistent_fault_timeout_s = 120.0
 
     @pytest.fixture

@@ -1,0 +1,126 @@
+"""Conformance tests at 8 ranks: resharded load of sharded + replicated state, a kill among 8.
+
+Eight spawned gloo processes on 127.0.0.1 with small tensors (about 8 MiB in all): more
+ranks than a small machine has cores, which is the point (the collectives, the plan, the
+commit and the failure paths at a rank count where every rank is not also a core). On a
+2-core machine one test takes a minute or two; a backend whose tests must stay short sets
+``many_ranks = 0`` (the tests then skip, saying so).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+from typing import Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from dcp_volumes import VolumeReader, VolumeWriter, errors
+from dcp_volumes.testing._suite_support import Store, SuiteBase
+from dcp_volumes.testing.dist import _entry, free_port, run_ranks
+from dcp_volumes.testing.scenarios import build_state, load_on_ranks, save_on_ranks
+
+__all__ = ["ScaleTests"]
+
+#: seconds a rank of an 8-rank test may take (8 processes share the machine's cores)
+TIMEOUT_S = 400.0
+
+
+class _DieOnSecondItem(DefaultSavePlanner):
+    """The victim rank SIGKILLs itself while resolving its second item (mid-save)."""
+
+    def __init__(self, die: bool) -> None:
+        super().__init__()
+        self.die = die
+        self.resolved = 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.resolved += 1
+        if self.die and self.resolved == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().resolve_data(write_item)
+
+
+def save_with_a_victim(rank: int, world_size: int, url: str, options: dict[str, Any],
+                       victim: int) -> None:
+    state = build_state(world_size, zeros=False)
+    writer = VolumeWriter(url, storage_options=options)
+    dcp.save(state, storage_writer=writer, planner=_DieOnSecondItem(rank == victim))
+
+
+def _run_with_victim(ranks: int, victim: int, url: str,
+                     options: dict[str, Any]) -> dict[int, tuple[bool, str]]:
+    """Run :func:`save_with_a_victim` on ``ranks`` ranks; every survivor must end (fail)
+    in time. Returns {rank: (ok, output)} of the ranks that reported."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, ranks, port, save_with_a_victim,
+                                              (url, options, victim), {}, results))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    reported: dict[int, tuple[bool, str]] = {}
+    try:
+        while len(reported) < ranks - 1:
+            rank, ok, out = results.get(timeout=TIMEOUT_S)
+            reported[rank] = (ok, str(out))
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(ranks)) - set(reported) - {victim})} hung after "
+                    f"rank {victim} was killed")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert procs[victim].exitcode == -signal.SIGKILL, procs[victim].exitcode
+    return reported
+
+
+class ScaleTests(SuiteBase):
+    """8 ranks. ``many_ranks``: how many (0 skips these tests)."""
+
+    many_ranks: int = 8
+
+    def _need_ranks(self, store: Store) -> int:
+        self._need(store, "multi_process", "the store is private to one process")
+        if self.many_ranks < 2:
+            pytest.skip(f"{type(self).__name__}: many_ranks = {self.many_ranks} (the "
+                        "8-rank tests are switched off for this backend)")
+        return self.many_ranks
+
+    # ---- 13. many ranks -----------------------------------------------------------------
+    def test_save_on_8_ranks_load_on_3(self, store: Store) -> None:
+        ranks = self._need_ranks(store)
+        url = store.url("eight")
+        opts = {"storage_options": store.storage_options}
+        stats = run_ranks(ranks, save_on_ranks, url, opts, timeout=TIMEOUT_S)
+        assert len(stats) == ranks
+        # the sharded 8 MiB tensor and the replicated items, each written once
+        assert sum(s["bytes"] for s in stats) > 8 << 20
+        assert sum(s["bytes"] > 0 for s in stats) == ranks  # every rank wrote its shard
+        out = run_ranks(3, load_on_ranks, url, opts, timeout=TIMEOUT_S)
+        assert len(out) == 3 and all(o["verified"] for o in out)
+
+    def test_a_rank_killed_mid_save_among_8_commits_nothing(self, store: Store) -> None:
+        ranks = self._need_ranks(store)
+        victim = ranks - 3
+        url = store.url("victim")
+        options = store.storage_options
+        reported = _run_with_victim(ranks, victim, url, options)
+        assert sorted(reported) == [r for r in range(ranks) if r != victim]
+        assert not any(ok for ok, _ in reported.values()), "a rank reported a completed save"
+        # nothing committed: objects of the failed save may remain, .metadata does not
+        assert ".metadata" not in store.names(url)
+        with pytest.raises((errors.IncompleteCheckpointError, errors.CheckpointNotFoundError)):
+            VolumeReader(url, storage_options=options).read_metadata()
+        # a later save to the same path commits and loads
+        opts = {"storage_options": options}
+        run_ranks(ranks, save_on_ranks, url, opts, timeout=TIMEOUT_S)
+        out = run_ranks(3, load_on_ranks, url, opts, timeout=TIMEOUT_S)
+        assert len(out) == 3 and all(o["verified"] for o in out)
