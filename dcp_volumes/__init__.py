@@ -19,7 +19,7 @@ from dcp_volumes._version import __version__
 if TYPE_CHECKING:
     from dcp_volumes._api import load, save
     from dcp_volumes.checkpointer import Checkpointer
-    from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+    from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.reader import VolumeReader
     from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Checkpointer",
     "LoadStats",
+    "LocalTierOptions",
     "RetryOptions",
     "SaveStats",
     "SpoolOptions",
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
     "VolumeReader": "dcp_volumes.reader",
     "Checkpointer": "dcp_volumes.checkpointer",
     "SpoolOptions": "dcp_volumes.config",
+    "LocalTierOptions": "dcp_volumes.config",
     "TransferOptions": "dcp_volumes.config",
     "RetryOptions": "dcp_volumes.config",
     "SaveStats": "dcp_volumes.stats",

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_volumes import _compat, catalog, errors
 from dcp_volumes._api import typed_errors, typed_failure
 from dcp_volumes.backends import parse_url, redact_url
-from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
 from dcp_volumes.reader import VolumeReader
-from dcp_volumes.writer import VolumeWriter
+from dcp_volumes.writer import VolumeWriter, check_local_tier
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -89,6 +89,10 @@ class Checkpointer:
         spool: :class:`~dcp_volumes.SpoolOptions` for every save.
         transfer: :class:`~dcp_volumes.TransferOptions` for every save and load.
         retry: :class:`~dcp_volumes.RetryOptions` for every save and load.
+        local_tier: :class:`~dcp_volumes.LocalTierOptions`: every save also keeps each rank's
+            files on node-local disk, and :meth:`load_latest` reads what is there (checked
+            against the committed checkpoint) before the store. Its ``keep_last`` and
+            ``max_bytes`` apply to the local copies only.
         safe_globals: classes a checkpoint's pickled non-tensor items may reference on load
             (as :class:`~dcp_volumes.VolumeReader`'s ``safe_globals``).
         step_format: directory name of a step, a ``str.format`` template with ``{step}``.
@@ -112,6 +116,7 @@ class Checkpointer:
         spool: SpoolOptions | None = None,
         transfer: TransferOptions | None = None,
         retry: RetryOptions | None = None,
+        local_tier: LocalTierOptions | None = None,
         safe_globals: Sequence[Any] = (),
         step_format: str = "step-{step:08d}",
         step_pattern: str | re.Pattern[str] | None = None,
@@ -145,6 +150,7 @@ class Checkpointer:
                     f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
         self.overwrite = bool(overwrite)
         self.spool, self.transfer, self.retry = spool, transfer, retry
+        self.local_tier = check_local_tier(local_tier, spool or SpoolOptions())
         self.safe_globals = tuple(safe_globals)
         self.step_format = step_format
         self.step_pattern = catalog.compile_step_pattern(step_pattern)
@@ -238,6 +244,7 @@ class Checkpointer:
             self._writer = VolumeWriter(
                 url, storage_options=self.storage_options, overwrite=self.overwrite,
                 spool=self.spool, transfer=self.transfer, retry=self.retry,
+                local_tier=self.local_tier,
             )
         self._last_step = step
         self._last_save_t = time.monotonic()
@@ -341,7 +348,7 @@ class Checkpointer:
             return None
         reader = VolumeReader(info.url, storage_options=self.storage_options,
                               transfer=self.transfer, retry=self.retry,
-                              safe_globals=self.safe_globals)
+                              safe_globals=self.safe_globals, local_tier=self.local_tier)
         with typed_errors(lambda: reader.last_error):
             dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
         self._last_step = info.step

@@ -15,7 +15,7 @@ from typing import Literal
 
 from dcp_volumes.errors import ConfigError
 
-__all__ = ["MiB", "RetryOptions", "SpoolOptions", "TransferOptions"]
+__all__ = ["LocalTierOptions", "MiB", "RetryOptions", "SpoolOptions", "TransferOptions"]
 
 MiB = 1 << 20
 
@@ -166,3 +166,47 @@ class RetryOptions:
             isinstance(self.deadline_s, (int, float)) and self.deadline_s > 0
         ):
             raise ConfigError(f"RetryOptions.deadline_s must be > 0 or None, got {self.deadline_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalTierOptions:
+    """A local replica of every save on this node, used first when loading.
+
+    With it, each rank keeps its spooled shard files after they uploaded (moved, not copied,
+    when the tier and the spool share a filesystem) under
+    ``<directory>/<checkpoint key>/<save id>/``, and a load reads every byte range it can
+    from there (checked against the same CRC32C as a store read; anything missing, the wrong
+    size or corrupt is fetched from the store instead). The store's ``.metadata`` stays the
+    only record of what is committed: a local copy is used only for the save the committed
+    ``.metadata`` names. Needs ``SpoolOptions(mode="disk")``.
+
+    Attributes:
+        directory: the tier's directory, on node-local disk (NVMe). Ranks on one node may
+            share it; created on first use.
+        keep_last: saves kept in the directory (all checkpoints together, oldest evicted
+            first after each save); ``None``: no count limit.
+        max_bytes: bytes kept in the directory (all checkpoints together, oldest saves
+            evicted first after each save, the newest one too if it alone is larger);
+            ``None``: no byte limit.
+    """
+
+    directory: str
+    keep_last: int | None = 2
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
+            raise ConfigError(
+                f"LocalTierOptions.directory must be a non-empty path on node-local disk, got "
+                f"{self.directory!r}"
+            )
+        if self.keep_last is not None:
+            _positive_int("LocalTierOptions.keep_last", self.keep_last,
+                          "the number of saves to keep locally (e.g. 2), or None for no limit")
+        if self.max_bytes is not None:
+            _positive_int("LocalTierOptions.max_bytes", self.max_bytes,
+                          "a byte budget (e.g. 200 * 2**30), or None for no limit")
+
+    def resolved_directory(self) -> str:
+        """The tier directory as an absolute path."""
+        return os.path.abspath(os.fspath(self.directory))

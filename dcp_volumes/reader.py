@@ -15,16 +15,17 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_volumes import _compat, _layout, errors
+from dcp_volumes import _compat, _layout, _tier, errors
 from dcp_volumes._commit import read_committed
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import CallStats, redact_url
-from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
 from dcp_volumes.transfer import cooperative
 from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
 from dcp_volumes.transfer.readplan import (
+    Need,
     apply_need,
     check_need,
     describe,
@@ -65,6 +66,13 @@ class VolumeReader(Location, StorageReader):
             others at one step (a status report, one round's exchange) before it raises
             :class:`~dcp_volumes.errors.DownloadError`: a rank that died or hangs fails the
             load on every rank instead of stalling it.
+        local_tier: read what this node's local tier holds of the committed save (as kept
+            by a :class:`~dcp_volumes.VolumeWriter` with the same :class:`LocalTierOptions`)
+            from local disk, and only the rest from the store. The store's ``.metadata`` and
+            manifest are read as always and decide which save that is; every byte from local
+            disk is checked against the manifest's CRC32C, and a missing, wrong-size, linked
+            or corrupt local copy is read from the store instead (a WARNING, counted in
+            ``LoadStats.local_fallbacks``). Needs ``verify=True``.
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class VolumeReader(Location, StorageReader):
         safe_globals: Sequence[Any] = (),
         cooperative: bool | Literal["auto"] = "auto",
         cooperative_timeout_s: float = 600.0,
+        local_tier: LocalTierOptions | None = None,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -100,6 +109,16 @@ class VolumeReader(Location, StorageReader):
                 f"cooperative_timeout_s= must be a number of seconds > 0, got "
                 f"{cooperative_timeout_s!r}")
         self.cooperative_timeout_s = float(cooperative_timeout_s)
+        if local_tier is not None and not isinstance(local_tier, LocalTierOptions):
+            raise errors.ConfigError(
+                f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
+        if local_tier is not None and not self.verify:
+            raise errors.ConfigError(
+                "local_tier= needs verify=True: local copies are used only when every byte "
+                "can be checked against the committed manifest")
+        self.local_tier = local_tier
+        self._local: dict[str, _tier.LocalFile] = {}
+        self._local_rejected: dict[str, str] = {}
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
         self._rank = 0
@@ -116,6 +135,7 @@ class VolumeReader(Location, StorageReader):
         self._switch_url(checkpoint_id)
         self._storage_data = {}
         self._manifest = None
+        self._local, self._local_rejected = {}, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata`` (allow-listed unpickling) and the integrity manifest.
@@ -159,12 +179,19 @@ class VolumeReader(Location, StorageReader):
         self._storage_data = metadata.storage_data
         self._rank = _compat.storage_rank(kwargs)
         self.last_stats = None
+        self._local, self._local_rejected = {}, {}
+        if self.local_tier is not None and self._manifest is not None:
+            # once per load, before any plan: the cooperative plan leaves these files out
+            self._local, self._local_rejected = _tier.find_local(
+                self.local_tier, self._url, self._manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if self.cooperative is False:
             return plan
-        # what the coordinator needs to plan a cooperative load: who and where this rank is
-        return dataclasses.replace(plan, storage_data=cooperative.local_info())
+        # what the coordinator needs to plan a cooperative load: who and where this rank is,
+        # and which shard files it reads from its local tier (left out of the plan)
+        return dataclasses.replace(plan, storage_data=cooperative.local_info(
+            frozenset(self._local)))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Plan a cooperative load when the ranks share bytes (see ``cooperative=``)."""
@@ -172,7 +199,8 @@ class VolumeReader(Location, StorageReader):
             return plans
         url = redact_url(self._url)
         try:
-            needs = [plan_needs(p.items, self._storage_data, self._manifest, url)
+            needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url),
+                                 getattr(p.storage_data, "local_files", frozenset()))
                      for p in plans]
         except errors.DCPVolumesError as exc:
             # the rank concerned raises it in read_data, with its own reads at hand
@@ -201,6 +229,15 @@ class VolumeReader(Location, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         url = redact_url(self._url)
         start = time.monotonic()
+        state: dict[str, Any] = {}
+
+        def _setup() -> tuple[list[Need], _tier.LocalRead, list[Need]]:
+            # Local tier first: what fails there (and only that) goes to the store after.
+            needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
+            local = self._read_local(needs, planner, url)
+            state.update(needs=needs, local=local)
+            return needs, local, _from_store(needs, frozenset(self._local))
+
         if isinstance(plan.storage_data, cooperative.Assignment):
             coop = cooperative.CooperativeRead(
                 plan.storage_data, url=url, planner=planner, trusted=self.safe_globals,
@@ -208,25 +245,63 @@ class VolumeReader(Location, StorageReader):
                 part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
                 timeout_s=self.cooperative_timeout_s,
             )
-            figures = coop.run(lambda: (self._backend(), plan_needs(
-                plan.items, self._storage_data, self._manifest, url)))
+            # inside coop.run: a rank that fails here fails every rank at once
+            figures = coop.run(lambda: (self._backend(), _setup()[2]))
+            needs, local = state["needs"], state["local"]
             if figures is not None:
+                stats = CallStats()
+                fetched, nranges = self._fetch_direct(local.fallback, planner, url, stats)
                 return self._done(LoadStats(
-                    rank=self._rank, bytes_needed=sum(n.needed for n in coop.needs),
-                    bytes_fetched=figures.bytes_fetched, items=len(coop.needs),
-                    ranges=figures.ranges, fetch_s=time.monotonic() - start,
+                    rank=self._rank, bytes_needed=sum(n.needed for n in needs),
+                    bytes_fetched=figures.bytes_fetched + fetched, items=len(needs),
+                    ranges=figures.ranges + nranges, fetch_s=time.monotonic() - start,
                     verified=self._manifest is not None,
-                    retries=figures.calls.retries + self._metadata_retries,
+                    retries=figures.calls.retries + stats.retries + self._metadata_retries,
                     cooperative=True, bytes_from_peers=figures.bytes_from_peers,
                     bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
-                    peer_wait_s=figures.wait_s,
+                    peer_wait_s=figures.wait_s, bytes_from_local=local.bytes_used,
+                    local_fallbacks=self._fallbacks(needs, local),
                 ), url)
             # every rank agreed to read directly (the plan changed after it was made)
+            remote = _from_store(needs, frozenset(self._local))
+        else:
+            needs, local, remote = _setup()
+        stats = CallStats()
+        fetched, nranges = self._fetch_direct(remote + local.fallback, planner, url, stats)
+        return self._done(LoadStats(
+            rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
+            items=len(needs), ranges=nranges, fetch_s=time.monotonic() - start,
+            verified=self._manifest is not None,
+            retries=stats.retries + self._metadata_retries,
+            bytes_from_local=local.bytes_used, local_fallbacks=self._fallbacks(needs, local),
+        ), url)
+
+    def _read_local(self, needs: list[Need], planner: LoadPlanner, url: str
+                    ) -> _tier.LocalRead:
+        """Apply the needs this node's local tier holds; the rest of them is returned."""
+        mine = [n for n in needs if n.relative in self._local]
+        for relative in sorted({n.relative for n in needs} & set(self._local_rejected)):
+            logger.warning("local copy of shard %s of %s is not used: %s; reading it from "
+                           "the store", relative, url, self._local_rejected[relative])
+        if not mine:
+            return _tier.LocalRead()
+        return _tier.read_local(
+            mine, self._local, gap=self.transfer.coalesce_gap,
+            max_size=self.transfer.max_range_size, url=url,
+            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals))
+
+    def _fallbacks(self, needs: list[Need], local: _tier.LocalRead) -> int:
+        rejected = sum(1 for n in needs if n.relative in self._local_rejected)
+        return rejected + len(local.fallback)
+
+    def _fetch_direct(self, needs: list[Need], planner: LoadPlanner, url: str,
+                      stats: CallStats) -> tuple[int, int]:
+        """Fetch, check and apply ``needs`` from the store; (bytes fetched, ranges)."""
+        if not needs:
+            return 0, 0
         backend = self._backend()
-        needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
         ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
                              max_size=self.transfer.max_range_size)
-        stats = CallStats()
         fetched = 0
 
         def _missing(rng: RangeRequest, exc: BaseException) -> BaseException:
@@ -255,21 +330,25 @@ class VolumeReader(Location, StorageReader):
                 chunk = view[need.start - rng.start:need.end - rng.start]
                 check_need(need, chunk, url)
                 apply_need(need, chunk, planner, self.safe_globals)
-        return self._done(LoadStats(
-            rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
-            items=len(needs), ranges=len(ranges), fetch_s=time.monotonic() - start,
-            verified=self._manifest is not None,
-            retries=stats.retries + self._metadata_retries,
-        ), url)
+        return fetched, len(ranges)
 
     def _done(self, s: LoadStats, url: str) -> Future[None]:
         self.last_stats = s
+        local = (f", {s.bytes_from_local} from the local tier ({s.local_fallbacks} items "
+                 "read from the store instead)" if self.local_tier is not None else "")
         peers = (f", {s.bytes_from_peers} from other ranks and {s.bytes_to_peers} to them "
                  f"in {s.rounds} rounds (waited {s.peer_wait_s:.2f}s)" if s.cooperative else "")
         logger.info("rank %d read %d bytes (%d needed) in %d ranges from %s%s: %.2fs, "
                     "%.1f MiB/s, %d retries, checksums %s", s.rank, s.bytes_fetched,
-                    s.bytes_needed, s.ranges, url, peers, s.fetch_s, s.mib_per_s, s.retries,
-                    "verified" if s.verified else "not available")
+                    s.bytes_needed, s.ranges, url, local + peers, s.fetch_s, s.mib_per_s,
+                    s.retries, "verified" if s.verified else "not available")
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _from_store(needs: list[Need], local_files: frozenset[str]) -> list[Need]:
+    """The needs not served by the rank's local tier (the files it found there)."""
+    if not local_files:
+        return needs
+    return [n for n in needs if n.relative not in local_files]

@@ -39,6 +39,8 @@ class SaveStats(_Figures):
         requests: requests made to the store.
         concurrency: the limit on parts in flight, each level it took in order (the last
             one is where it settled; see ``TransferOptions.adaptive_concurrency``).
+        bytes_kept_local: bytes this rank kept in the local tier (``local_tier=``; 0 when
+            none is configured or keeping failed).
     """
 
     rank: int = 0
@@ -52,6 +54,7 @@ class SaveStats(_Figures):
     retries: int = 0
     requests: int = 0
     concurrency: tuple[int, ...] = ()
+    bytes_kept_local: int = 0
 
     @property
     def mib_per_s(self) -> float:
@@ -79,6 +82,11 @@ class LoadStats(_Figures):
         rounds: exchange rounds of a cooperative load (memory is bounded per round).
         peer_wait_s: part of ``fetch_s`` spent waiting on other ranks: their status reports
             and the exchange.
+        bytes_from_local: bytes of stored items read from this node's local tier
+            (``local_tier=``) and verified; not counted in ``bytes_fetched``.
+        local_fallbacks: items the local tier held a copy of that could not be used (a
+            missing, wrong-size or linked file, or bytes failing their checksum) and were
+            read from the store instead.
     """
 
     rank: int = 0
@@ -94,6 +102,8 @@ class LoadStats(_Figures):
     bytes_to_peers: int = 0
     rounds: int = 0
     peer_wait_s: float = 0.0
+    bytes_from_local: int = 0
+    local_fallbacks: int = 0
 
     @property
     def mib_per_s(self) -> float:

@@ -26,14 +26,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_volumes import _commit, _compat, _layout, errors
+from dcp_volumes import _commit, _compat, _layout, _tier, errors
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, paused_gc, set_save_id
 from dcp_volumes._spool import SpoolFile, check_free_space, remove_dead_spools
 from dcp_volumes._staging import StagingBuffers
 from dcp_volumes._version import __version__
 from dcp_volumes.backends import CallStats, redact_url
-from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
 from dcp_volumes.stats import SaveStats
 from dcp_volumes.transfer.upload import Uploader
 
@@ -175,6 +175,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         spool: where shards are serialized before upload (:class:`SpoolOptions`).
         transfer: part size and concurrency (:class:`TransferOptions`).
         retry: retries of transient errors (:class:`RetryOptions`).
+        local_tier: keep each rank's shard files on node-local disk after they uploaded
+            (:class:`LocalTierOptions`), so a :class:`VolumeReader` with the same option
+            restores from there. Needs ``SpoolOptions(mode="disk")``. A failure in the tier
+            (full, unwritable) is a WARNING; the save still completes in the store.
 
     With ``dcp.async_save`` the writer is also the stager: it copies the state dict into CPU
     buffers allocated on the first save and reused by later ones (never while a save that
@@ -194,6 +198,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         spool: SpoolOptions | None = None,
         transfer: TransferOptions | None = None,
         retry: RetryOptions | None = None,
+        local_tier: LocalTierOptions | None = None,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -204,6 +209,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                  ("transfer", self.transfer, TransferOptions)):
             if not isinstance(value, cls):
                 raise errors.ConfigError(f"{name}= must be a {cls.__name__}, got {type(value).__name__}")
+        self.local_tier = check_local_tier(local_tier, self.spool)
         self._rank = 0
         self._save_id: str | None = None
         self.last_stats: SaveStats | None = None
@@ -339,6 +345,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         spools: list[SpoolFile] = []
         results: list[WriteResult] = []
         total = 0
+        kept = 0
         spool_end = start
         try:
             with _without_torch_zip_crc():
@@ -361,6 +368,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             spool_end = time.monotonic()
             uploader.spooling_ended()
             uploader.wait()
+            if self.local_tier is not None:
+                kept = self._keep_local(self.local_tier, spools, prefix)
         except BaseException:
             uploader.abort()
             raise
@@ -373,7 +382,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),
             spool_s=spool_end - start, upload_s=end - start, upload_tail_s=end - spool_end,
             retries=stats.retries, requests=stats.requests,
-            concurrency=tuple(uploader.limit.history),
+            concurrency=tuple(uploader.limit.history), bytes_kept_local=kept,
         )
         s = self.last_stats
         logger.info(
@@ -383,6 +392,24 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             s.upload_tail_s, s.mib_per_s, s.retries, "->".join(map(str, s.concurrency)),
         )
         return results
+
+    def _keep_local(self, options: LocalTierOptions, spools: list[SpoolFile],
+                    prefix: _SavePrefix) -> int:
+        """Move this rank's uploaded spool files into the local tier; the bytes kept. Never
+        raises (an Exception): the save is durable in the store whatever happens here."""
+        tier = _tier.TierSave(options, self._url, prefix.save_id, self._rank)
+        try:
+            if not tier.admit(sum(sf.tell() for sf in spools)):
+                return 0
+            for sf in spools:
+                if sf.path is not None:
+                    tier.keep(sf.path, sf.name, sf.tell())
+            return tier.complete()
+        except Exception as exc:  # noqa: BLE001 — a local copy is optional, the save is not
+            logger.warning("rank %d: keeping the save in the local tier failed (%s)",
+                           self._rank, type(exc).__name__)
+            tier.abandon()
+            return 0
 
     @staticmethod
     def _write_item(sf: SpoolFile, item: WriteItem, planner: SavePlanner,
@@ -441,6 +468,21 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                               retries=prev.retries + stats.retries)
         logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url),
                     save_id, len(manifest.files), commit_s)
+
+
+def check_local_tier(local_tier: object, spool: SpoolOptions) -> LocalTierOptions | None:
+    """``local_tier=`` of a writer (or a Checkpointer) checked against its spool options."""
+    if local_tier is None:
+        return None
+    if not isinstance(local_tier, LocalTierOptions):
+        raise errors.ConfigError(
+            f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
+    if spool.mode != "disk":
+        raise errors.ConfigError(
+            "local_tier= keeps the spooled files, and SpoolOptions(mode='memory') spools to "
+            "no file: use SpoolOptions(mode='disk') (ideally on the tier's filesystem, so "
+            "files are moved, not copied), or drop local_tier=")
+    return local_tier
 
 
 def _plain_storage_info(info: Any) -> _StorageInfo:

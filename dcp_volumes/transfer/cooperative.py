@@ -74,15 +74,18 @@ class LocalInfo:
     world: int  # size of the default group
     host: str
     cpu_group: bool  # the default group carries CPU tensors (gloo)
+    #: shard files this rank reads from its local tier: the reader leaves them out of the
+    #: needs it plans with (see ``VolumeReader(local_tier=)``)
+    local_files: frozenset[str] = frozenset()
 
 
-def local_info() -> LocalInfo | None:
+def local_info(local_files: frozenset[str] = frozenset()) -> LocalInfo | None:
     """This rank's :class:`LocalInfo`, or None where no default process group exists."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     backend = str(dist.get_backend())
     return LocalInfo(dist.get_rank(), dist.get_world_size(), socket.gethostname(),
-                     "gloo" in backend or backend == "mpi")
+                     "gloo" in backend or backend == "mpi", local_files)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,421 @@
+"""The local tier: a node-local replica of each save, read first when loading.
+
+::
+
+    <tier>/<url key>/<save key>/<relative shard path>     a shard file, as it was uploaded
+    <tier>/<url key>/<save key>/.dcpv-tier-<rank>.json    one rank's descriptor, written last
+
+``url key``: the first 16 hex digits of the SHA-256 of the checkpoint URL (credentials
+stripped, no trailing slash). ``save key``: the id in the rank's shard names — the save id
+(a rank whose plan DCP served from its plan cache names its shards with an id of its own,
+see ``writer._claim_shard_id``; the reader finds the directory from the shard name either
+way). Ranks on one node may share a tier: shard names carry the rank, descriptors too.
+
+The writer moves each spool file here once its upload succeeded (``rename``; a copy when
+the tier is on another filesystem), then writes the rank's descriptor (``{url, save_key,
+rank, created, files: {relative: size}}``) with ``os.replace``, so a directory whose
+descriptor is missing is never read. Whether the save committed is not recorded here:
+the reader only ever looks for the files the committed manifest in the store names, at the
+sizes it names, and checks every byte against the manifest's CRC32C (bytes from local disk
+are as untrusted as bytes from the store). A failure in the tier never fails a save.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dcp_volumes import _layout, errors
+from dcp_volumes._manifest import Manifest
+from dcp_volumes.backends import redact_url
+from dcp_volumes.config import LocalTierOptions
+from dcp_volumes.transfer.readplan import Need, check_need, describe, plan_ranges
+
+__all__ = ["LocalFile", "LocalRead", "TierSave", "apply_retention", "find_local",
+           "read_local", "url_key"]
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTOR_PREFIX = ".dcpv-tier-"
+#: a descriptor larger than this is not a descriptor (a rank lists a few files)
+DESCRIPTOR_MAX = 1 << 20
+#: a save directory with no descriptor this old is what a killed save left: removed
+STALE_S = 3600.0
+_URL_KEY_RE = re.compile(r"^[0-9a-f]{16}$")
+_SAVE_KEY_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{12}$")
+_DESCRIPTOR_RE = re.compile(rf"^{re.escape(DESCRIPTOR_PREFIX)}(\d+)\.json$")
+
+
+def _normal_url(url: str) -> str:
+    return redact_url(os.fspath(url)).rstrip("/")
+
+
+def url_key(url: str) -> str:
+    """The directory name of a checkpoint URL's saves in the tier."""
+    return hashlib.sha256(_normal_url(url).encode()).hexdigest()[:16]
+
+
+def descriptor_name(rank: int) -> str:
+    return f"{DESCRIPTOR_PREFIX}{rank}.json"
+
+
+# ---- saving -----------------------------------------------------------------------------
+
+class TierSave:
+    """One rank's files of one save going into the tier.
+
+    Every method swallows filesystem errors: the first one is logged as a WARNING, what was
+    moved so far is removed, and the save goes on (it is durable in the store regardless).
+    """
+
+    def __init__(self, options: LocalTierOptions, url: str, save_key: str, rank: int) -> None:
+        self.options = options
+        self.root = options.resolved_directory()
+        self.url = _normal_url(url)
+        self.save_key = save_key
+        self.rank = rank
+        self.dir = os.path.join(self.root, url_key(url), save_key)
+        self.files: dict[str, int] = {}
+        self.ok = True
+
+    def admit(self, nbytes: int) -> bool:
+        """Whether this rank's ``nbytes`` can be kept at all (the byte budget)."""
+        limit = self.options.max_bytes
+        if self.ok and limit is not None and nbytes > limit:
+            logger.warning("rank %d: this save's %d bytes exceed LocalTierOptions.max_bytes "
+                           "(%d): not kept in the local tier", self.rank, nbytes, limit)
+            self.ok = False
+        return self.ok
+
+    def keep(self, source: str, relative: str, size: int) -> None:
+        """Move the spooled file ``source`` (uploaded in full) into the tier."""
+        if not self.ok:
+            return
+        try:
+            dest = os.path.join(self.dir, _layout.check_relative_path(relative))
+            try:
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+            except FileNotFoundError:  # another rank's retention pruned a parent meanwhile
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+            try:
+                os.rename(source, dest)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                _copy(source, dest)
+            self.files[relative] = size
+        except (OSError, errors.UnsafeCheckpointError) as exc:
+            self._give_up(exc)
+
+    def complete(self) -> int:
+        """Write this rank's descriptor (the files are complete), then apply retention.
+        Returns the bytes kept."""
+        if not self.ok or not self.files:
+            return 0
+        doc = {"format": 1, "url": self.url, "save_key": self.save_key, "rank": self.rank,
+               "created": time.time(), "files": self.files}
+        path = os.path.join(self.dir, descriptor_name(self.rank))
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            self._give_up(exc)
+            return 0
+        kept = sum(self.files.values())
+        try:
+            apply_retention(self.options)
+        except OSError as exc:
+            logger.warning("rank %d: local tier retention in %s failed (%s); the save is kept",
+                           self.rank, self.root, exc.strerror or type(exc).__name__)
+        return kept
+
+    def abandon(self) -> None:
+        """Remove what this rank moved into the tier (its save failed)."""
+        for relative in self.files:
+            path = os.path.join(self.dir, relative)
+            _unlink_quietly(path)
+            _remove_empty_dirs(os.path.dirname(path), self.root)
+        self.files.clear()
+        self.ok = False
+
+    def _give_up(self, exc: BaseException) -> None:
+        what = getattr(exc, "strerror", None) or type(exc).__name__
+        logger.warning("rank %d: keeping the save in the local tier %s failed (%s): it is "
+                       "durable in the store, loads will read it from there", self.rank,
+                       self.root, what)
+        self.abandon()
+
+
+def _copy(source: str, dest: str) -> None:
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    try:
+        shutil.copyfile(source, tmp, follow_symlinks=False)
+        os.replace(tmp, dest)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    _unlink_quietly(source)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _remove_empty_dirs(directory: str, root: str) -> None:
+    """Remove ``directory`` and its parents up to (not including) ``root`` while empty."""
+    directory = os.path.abspath(directory)
+    while directory.startswith(root + os.sep):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
+        directory = os.path.dirname(directory)
+
+
+def _scandir(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        return list(os.scandir(directory))
+    except OSError:
+        return []
+
+
+# ---- descriptors and retention ----------------------------------------------------------
+
+@dataclass
+class _Descriptor:
+    rank: int
+    created: float
+    files: dict[str, int]
+
+
+def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor | None:
+    """A descriptor, or None when it is not a well-formed one of ``save_key`` (and ``url``,
+    when given). Untrusted: a regular file of bounded size, every field checked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > DESCRIPTOR_MAX:
+            return None
+        raw = os.read(fd, DESCRIPTOR_MAX + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+        files = doc["files"]
+        rank, created = doc["rank"], doc["created"]
+        if (
+            not isinstance(files, dict) or doc.get("save_key") != save_key
+            or (url is not None and doc.get("url") != url)
+            or isinstance(rank, bool) or not isinstance(rank, int)
+            or isinstance(created, bool) or not isinstance(created, (int, float))
+        ):
+            return None
+        out: dict[str, int] = {}
+        for rel, size in files.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                return None
+            out[_layout.check_relative_path(rel)] = size
+    except (ValueError, KeyError, TypeError, AttributeError, errors.UnsafeCheckpointError):
+        return None
+    return _Descriptor(rank, float(created), out)
+
+
+def _descriptors(save_dir: str, url: str | None, save_key: str) -> list[_Descriptor]:
+    out = []
+    for entry in _scandir(save_dir):
+        if _DESCRIPTOR_RE.match(entry.name):
+            d = _read_descriptor(entry.path, url, save_key)
+            if d is not None:
+                out.append(d)
+    return out
+
+
+@dataclass
+class _Save:
+    path: str
+    created: float
+    nbytes: int
+
+
+def apply_retention(options: LocalTierOptions) -> list[str]:
+    """Evict the oldest saves of the whole tier directory beyond ``keep_last`` saves or
+    ``max_bytes`` bytes (a save is older when its newest descriptor is). Directories that
+    have no descriptor and are older than :data:`STALE_S` (a killed save) are removed too.
+    Returns the save directories removed."""
+    root = options.resolved_directory()
+    saves: list[_Save] = []
+    removed: list[str] = []
+    now = time.time()
+    for udir in _scandir(root):
+        if not (_URL_KEY_RE.match(udir.name) and udir.is_dir(follow_symlinks=False)):
+            continue
+        for sdir in _scandir(udir.path):
+            if not (_SAVE_KEY_RE.match(sdir.name) and sdir.is_dir(follow_symlinks=False)):
+                continue
+            descs = _descriptors(sdir.path, None, sdir.name)
+            if descs:
+                saves.append(_Save(sdir.path, max(d.created for d in descs),
+                                   sum(s for d in descs for s in d.files.values())))
+            else:
+                try:
+                    stale = now - sdir.stat(follow_symlinks=False).st_mtime > STALE_S
+                except OSError:
+                    continue
+                if stale:
+                    shutil.rmtree(sdir.path, ignore_errors=True)
+                    removed.append(sdir.path)
+    saves.sort(key=lambda s: s.created, reverse=True)
+    total, over = 0, False
+    for i, s in enumerate(saves):
+        over = over or (options.keep_last is not None and i >= options.keep_last) or (
+            options.max_bytes is not None and total + s.nbytes > options.max_bytes)
+        if over:
+            shutil.rmtree(s.path, ignore_errors=True)
+            removed.append(s.path)
+        else:
+            total += s.nbytes
+    for path in removed:
+        _remove_empty_dirs(os.path.dirname(path), root)
+    if removed:
+        logger.debug("local tier %s: removed %d saves", root, len(removed))
+    return removed
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LocalFile:
+    """A shard file of the committed save found in the tier at the size the manifest says."""
+
+    path: str
+    size: int
+
+
+def find_local(options: LocalTierOptions, url: str, manifest: Manifest
+               ) -> tuple[dict[str, LocalFile], dict[str, str]]:
+    """The committed save's shard files this node's tier holds, by relative path, and those
+    a descriptor lists but that cannot be used (with why): missing, a link, not a regular
+    file, or of another size than the manifest's. Only files the committed ``manifest``
+    names are looked for, in the directory of the id in their name."""
+    root = os.path.realpath(options.resolved_directory())
+    usable: dict[str, LocalFile] = {}
+    rejected: dict[str, str] = {}
+    if not os.path.isdir(root):
+        return usable, rejected
+    base = os.path.join(root, url_key(url))
+    listed_by_key: dict[str, dict[str, int]] = {}
+    normal = _normal_url(url)
+    for relative, entry in manifest.files.items():
+        key = _layout.save_id_of(relative)
+        if key is None:
+            continue
+        if key not in listed_by_key:
+            listed: dict[str, int] = {}
+            for d in _descriptors(os.path.join(base, key), normal, key):
+                listed.update(d.files)
+            listed_by_key[key] = listed
+        size = listed_by_key[key].get(relative)
+        if size is None:
+            continue  # not kept on this node
+        path = os.path.join(base, key, relative)
+        why = _unusable(path, entry.size) if size == entry.size else (
+            f"its descriptor says {size} bytes, the committed manifest {entry.size}")
+        if why is None:
+            usable[relative] = LocalFile(path, entry.size)
+        else:
+            rejected[relative] = why
+    return usable, rejected
+
+
+def _unusable(path: str, size: int) -> str | None:
+    """Why the file at ``path`` cannot stand for a shard of ``size`` bytes, or None."""
+    if os.path.realpath(path) != path:
+        return "a symbolic link is on its path"
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "it is not a regular file"
+    if st.st_size != size:
+        return f"it has {st.st_size} bytes, the committed manifest says {size}"
+    return None
+
+
+@dataclass
+class LocalRead:
+    """What :func:`read_local` did: bytes used, and the needs the store must serve instead."""
+
+    bytes_used: int = 0
+    fallback: list[Need] = field(default_factory=list)
+
+
+def read_local(needs: list[Need], files: dict[str, LocalFile], *, gap: int, max_size: int,
+               url: str, apply: Callable[[Need, memoryview], None]) -> LocalRead:
+    """Read ``needs`` (all in ``files``) from local disk, checking each against its CRC32C
+    exactly as a store read is checked; ``apply`` gets the bytes of each need that passed.
+    A file that cannot be opened, changed size, or bytes that fail their checksum are never
+    applied: those needs are returned for the store, each logged as a WARNING."""
+    out = LocalRead()
+    for rng in plan_ranges(needs, gap=gap, max_size=max_size):
+        local = files[rng.relative]
+        data: bytes | None = None
+        why = ""
+        try:
+            fd = os.open(local.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != local.size:
+                    why = f"it changed (now {st.st_size} bytes, expected {local.size})"
+                else:
+                    data = os.pread(fd, rng.end - rng.start, rng.start)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            why = f"it cannot be read ({exc.strerror})"
+        if data is not None and len(data) != rng.end - rng.start:
+            why, data = "it is shorter than expected", None
+        if data is None:
+            _warn_fallback(rng.relative, url, why, len(rng.items))
+            out.fallback.extend(rng.items)
+            continue
+        view = memoryview(data)
+        for need in rng.items:
+            chunk = view[need.start - rng.start:need.end - rng.start]
+            try:
+                check_need(need, chunk, url)
+            except errors.IntegrityError:
+                logger.warning("local copy of shard %s of %s: %s fails its checksum; reading "
+                               "it from the store", rng.relative, url, describe(need.reads[0]))
+                out.fallback.append(need)
+                continue
+            apply(need, chunk)
+            out.bytes_used += len(chunk)
+    return out
+
+
+def _warn_fallback(relative: str, url: str, why: str, count: int) -> None:
+    logger.warning("local copy of shard %s of %s is not used: %s; reading %d items from the "
+                   "store", relative, url, why, count)
