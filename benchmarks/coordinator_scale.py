@@ -28,6 +28,7 @@ import functools
 import gc as pygc
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -98,6 +99,27 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _timed_peak(fn: Any) -> tuple[float, int]:
+    """Seconds ``fn()`` took and its peak RSS above the RSS it started at (bytes): the
+    kernel's high-water mark is reset first (``/proc/self/clear_refs``, Linux >= 4.0)."""
+    pygc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    fn()
+    took = time.perf_counter() - start
+    return took, (_status_kib("VmHWM") - before) * 1024
+
+
 def coordinator_row(items: int, per_rank: int, tmp: str) -> dict[str, Any]:
     row: dict[str, Any] = {"items": items, "ranks": max(1, items // per_rank)}
     # ours
@@ -106,7 +128,8 @@ def coordinator_row(items: int, per_rank: int, tmp: str) -> dict[str, Any]:
     _sparse_files(ours, files)
     writer = VolumeWriter(ours)
     writer._save_id = "00000000-000000000000"
-    row["vol_finish_s"] = _timed(functools.partial(writer.finish, md, results))
+    row["vol_finish_s"], peak = _timed_peak(functools.partial(writer.finish, md, results))
+    row["vol_finish_peak_bytes_per_item"] = round(peak / items)
     names = os.listdir(ours)
     meta_b = os.path.getsize(os.path.join(ours, ".metadata"))
     man_b = sum(os.path.getsize(os.path.join(ours, n)) for n in names
@@ -115,7 +138,8 @@ def coordinator_row(items: int, per_rank: int, tmp: str) -> dict[str, Any]:
     row["vol_manifest_bytes_per_item"] = round(man_b / items, 1)
     del md, results
     reader = VolumeReader(ours)
-    row["vol_read_metadata_s"] = _timed(reader.read_metadata)
+    row["vol_read_metadata_s"], peak = _timed_peak(reader.read_metadata)
+    row["vol_read_peak_bytes_per_item"] = round(peak / items)
     del reader
     shutil.rmtree(ours)
     # torch
@@ -123,36 +147,81 @@ def coordinator_row(items: int, per_rank: int, tmp: str) -> dict[str, Any]:
     theirs = os.path.join(tmp, f"torch-{items}")
     _sparse_files(theirs, files)
     fs_writer = FileSystemWriter(theirs)
-    row["torch_finish_s"] = _timed(functools.partial(fs_writer.finish, md, results))
+    row["torch_finish_s"], peak = _timed_peak(functools.partial(fs_writer.finish, md, results))
+    row["torch_finish_peak_bytes_per_item"] = round(peak / items)
     row["torch_bytes_per_item"] = round(
         os.path.getsize(os.path.join(theirs, ".metadata")) / items, 1)
     del md, results
     fs_reader = FileSystemReader(theirs)
-    row["torch_read_metadata_s"] = _timed(fs_reader.read_metadata)
+    row["torch_read_metadata_s"], peak = _timed_peak(fs_reader.read_metadata)
+    row["torch_read_peak_bytes_per_item"] = round(peak / items)
     shutil.rmtree(theirs)
     row["finish_ratio"] = round(row["vol_finish_s"] / row["torch_finish_s"], 2)
     row["read_ratio"] = round(row["vol_read_metadata_s"] / row["torch_read_metadata_s"], 2)
     return row
 
 
-def catalog_row(n: int, tmp: str) -> dict[str, Any]:
+def catalog_row(n: int, tmp: str, files: int = 1, store: str = "local") -> dict[str, Any]:
+    """``list_checkpoints`` / ``latest`` / ``gc(dry_run=True)`` over ``n`` checkpoints of
+    ``files`` shard files each (``files + 2`` objects with ``.metadata`` and the manifest),
+    on local files or (``store="seaweedfs"``) a local SeaweedFS S3 server, where every call
+    pages through LIST answers of 1,000 keys. One real save, copied ``n - 1`` times
+    (server-side copies on S3)."""
+    import fsspec
+
+    from dcp_volumes import SpoolOptions
     from dcp_volumes.catalog import gc, latest, list_checkpoints
 
-    root = os.path.join(tmp, "run")
-    first = os.path.join(root, "step-00000000")
-    dcp.save({"w": torch.arange(16.0), "step": 0}, storage_writer=VolumeWriter(first),
-             no_dist=True)
-    start = time.perf_counter()
-    for i in range(1, n):
-        shutil.copytree(first, os.path.join(root, f"step-{i:08d}"))
-    objects = sum(len(files) for _, _, files in os.walk(root))
-    row: dict[str, Any] = {"checkpoints": n, "objects": objects,
-                           "fabricate_s": round(time.perf_counter() - start, 2)}
-    row["ls_s"] = _timed(lambda: list_checkpoints(root))
-    row["ls_check0_s"] = _timed(lambda: list_checkpoints(root, check=0))
-    row["latest_s"] = _timed(lambda: latest(root))
-    row["gc_dry_run_s"] = _timed(lambda: gc(root, dry_run=True, older_than_s=0.0))
-    shutil.rmtree(root)
+    server = None
+    opts: dict[str, Any] = {}
+    if store == "seaweedfs":
+        from dcp_volumes.testing.servers import start_server
+
+        server = start_server("seaweedfs")
+        opts = server.storage_options()
+        root = server.create_bucket(f"catalog-{os.getpid()}") + "/run"
+    else:
+        root = os.path.join(tmp, "run")
+    try:
+        first = f"{root}/step-00000000"
+        state = {f"w{i}": torch.arange(16.0) + i for i in range(files)}
+        dcp.save({**state, "step": 0},
+                 storage_writer=VolumeWriter(first, storage_options=opts,
+                                             spool=SpoolOptions(files_per_rank=files)),
+                 no_dist=True)
+        fs, first_path = fsspec.core.url_to_fs(first, **opts)
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(first_path, detail=False)]
+        start = time.perf_counter()
+        if server is None:
+            for i in range(1, n):
+                shutil.copytree(first, os.path.join(root, f"step-{i:08d}"))
+        else:
+            base = first_path.rsplit("/", 1)[0]
+            for lo in range(1, n, 50):  # server-side copies, 50 checkpoints per batch
+                steps = range(lo, min(n, lo + 50))
+                src = [f"{first_path}/{name}" for _ in steps for name in names]
+                dst = [f"{base}/step-{i:08d}/{name}" for i in steps for name in names]
+                fs.copy(src, dst)
+        row: dict[str, Any] = {"store": store, "checkpoints": n, "objects": n * len(names),
+                               "fabricate_s": round(time.perf_counter() - start, 2)}
+        row["ls_s"] = _timed(lambda: list_checkpoints(root, storage_options=opts))
+        row["ls_check0_s"] = _timed(lambda: list_checkpoints(root, storage_options=opts,
+                                                              check=0))
+        row["latest_s"] = _timed(lambda: latest(root, storage_options=opts))
+        report = None
+
+        def _gc() -> None:
+            nonlocal report
+            report = gc(root, storage_options=opts, dry_run=True, older_than_s=0.0)
+
+        row["gc_dry_run_s"] = _timed(_gc)
+        assert report is not None and not report.leftovers, "a copied checkpoint read as leftovers"
+        row["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    finally:
+        if server is not None:
+            server.stop()
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     return row
 
 
@@ -198,14 +267,17 @@ def plan_rows(ranks: int, tensors: int, saves: int, tmp: str) -> list[dict[str, 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
     header = ("| items | ranks | finish: ours / torch (s) | ratio | read_metadata: ours / torch "
-              "(s) | ratio | bytes/item: ours (manifest) / torch |")
-    out = [header, "|---|---|---|---|---|---|---|"]
+              "(s) | ratio | bytes/item: ours (manifest) / torch | peak RSS bytes/item, finish: ours / "
+              "torch | read: ours / torch |")
+    out = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(
             f"| {r['items']:,} | {r['ranks']:,} | {r['vol_finish_s']:.3f} / "
             f"{r['torch_finish_s']:.3f} | {r['finish_ratio']} | {r['vol_read_metadata_s']:.3f} / "
             f"{r['torch_read_metadata_s']:.3f} | {r['read_ratio']} | {r['vol_bytes_per_item']} "
-            f"({r['vol_manifest_bytes_per_item']}) / {r['torch_bytes_per_item']} |")
+            f"({r['vol_manifest_bytes_per_item']}) / {r['torch_bytes_per_item']} | "
+            f"{r['vol_finish_peak_bytes_per_item']:,} / {r['torch_finish_peak_bytes_per_item']:,} | "
+            f"{r['vol_read_peak_bytes_per_item']:,} / {r['torch_read_peak_bytes_per_item']:,} |")
     return "\n".join(out)
 
 
@@ -214,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--items", type=int, nargs="*", default=[1000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--items-per-rank", type=int, default=250)
     ap.add_argument("--catalog", type=int, default=0, help="checkpoints for the catalog timing")
+    ap.add_argument("--catalog-files", type=int, default=1,
+                    help="shard files per checkpoint of the catalog timing")
+    ap.add_argument("--catalog-store", choices=["local", "seaweedfs"], nargs="+",
+                    default=["local"])
     ap.add_argument("--plan-ranks", type=int, default=0,
                     help="measure the plan phase with/without plan caching on this many ranks")
     ap.add_argument("--plan-tensors", type=int, default=2000)
@@ -232,9 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             print(_markdown(rows), flush=True)
         if args.catalog:
-            row = catalog_row(args.catalog, tmp)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                              for k, v in row.items()}), flush=True)
+            for store in args.catalog_store:
+                row = catalog_row(args.catalog, tmp, args.catalog_files, store)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                  for k, v in row.items()}), flush=True)
         if args.plan_ranks:
             for row in plan_rows(args.plan_ranks, args.plan_tensors, args.plan_saves, tmp):
                 print(json.dumps(row), flush=True)

@@ -35,7 +35,7 @@ __all__ = ["FileEntry", "ItemEntry", "Manifest", "load_metadata", "metadata_save
 FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemEntry:
     """One stored item. ``data_offset`` etc. are set for large contiguous tensors: their raw
     bytes start ``data_offset`` bytes into the item, with a CRC32C per ``block_size`` block."""
