@@ -9,9 +9,7 @@ commit and the failure paths at a rank count where every rank is not also a core
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import signal
 from typing import Any
 
@@ -21,7 +19,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_volumes import VolumeReader, VolumeWriter, errors
 from dcp_volumes.testing._suite_support import Store, SuiteBase
-from dcp_volumes.testing.dist import _entry, free_port, run_ranks
+from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
 from dcp_volumes.testing.scenarios import build_state, load_on_ranks, save_on_ranks
 
 __all__ = ["ScaleTests"]
@@ -50,36 +48,6 @@ def save_with_a_victim(rank: int, world_size: int, url: str, options: dict[str, 
     state = build_state(world_size, zeros=False)
     writer = VolumeWriter(url, storage_options=options)
     dcp.save(state, storage_writer=writer, planner=_DieOnSecondItem(rank == victim))
-
-
-def _run_with_victim(ranks: int, victim: int, url: str,
-                     options: dict[str, Any]) -> dict[int, tuple[bool, str]]:
-    """Run :func:`save_with_a_victim` on ``ranks`` ranks; every survivor must end (fail)
-    in time. Returns {rank: (ok, output)} of the ranks that reported."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, ranks, port, save_with_a_victim,
-                                              (url, options, victim), {}, results))
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    reported: dict[int, tuple[bool, str]] = {}
-    try:
-        while len(reported) < ranks - 1:
-            rank, ok, out = results.get(timeout=TIMEOUT_S)
-            reported[rank] = (ok, str(out))
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(ranks)) - set(reported) - {victim})} hung after "
-                    f"rank {victim} was killed")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert procs[victim].exitcode == -signal.SIGKILL, procs[victim].exitcode
-    return reported
 
 
 class ScaleTests(SuiteBase):
@@ -112,7 +80,8 @@ class ScaleTests(SuiteBase):
         victim = ranks - 3
         url = store.url("victim")
         options = store.storage_options
-        reported = _run_with_victim(ranks, victim, url, options)
+        reported = run_ranks_with_victim(ranks, victim, save_with_a_victim, url, options,
+                                         victim, timeout=TIMEOUT_S)
         assert sorted(reported) == [r for r in range(ranks) if r != victim]
         assert not any(ok for ok, _ in reported.values()), "a rank reported a completed save"
         # nothing committed: objects of the failed save may remain, .metadata does not

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from dcp_volumes._compat import GLOO_TEARDOWN_MAY_DEADLOCK
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "run_ranks_with_victim"]
 
 
 def free_port() -> int:
@@ -88,3 +88,40 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
     if failures:
         raise RuntimeError("\n".join(failures))
     return [outputs[r] for r in range(world_size)]
+
+
+def run_ranks_with_victim(world_size: int, victim: int, fn: Callable[..., Any], *args: Any,
+                          timeout: float = 240.0) -> dict[int, tuple[bool, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks, one of which (``victim``)
+    SIGKILLs itself: every other rank must report (succeed or fail) within ``timeout``.
+
+    Returns ``{rank: (ok, value or traceback)}`` of the ranks that reported. Raises
+    ``RuntimeError`` naming the ranks that hung, or when the victim did not die by SIGKILL.
+    """
+    import queue
+    import signal
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, {}, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reported: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(reported) < world_size - 1:
+            rank, ok, out = results.get(timeout=timeout)
+            reported[rank] = (ok, out)
+    except queue.Empty:
+        hung = sorted(set(range(world_size)) - set(reported) - {victim})
+        raise RuntimeError(f"ranks {hung} hung after rank {victim} was killed") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if procs[victim].exitcode != -signal.SIGKILL:
+        raise RuntimeError(f"rank {victim} exited with {procs[victim].exitcode}, not SIGKILL")
+    return reported

@@ -14,9 +14,7 @@ and sent to the others (``VolumeReader(cooperative=...)``, default ``"auto"``), 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 import uuid
@@ -32,7 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from dcp_volumes import SpoolOptions, VolumeReader, VolumeWriter, errors
 from dcp_volumes._api import load as typed_load
 from dcp_volumes._compat import HAS_NO_DIST, no_dist
-from dcp_volumes.testing.dist import _entry, free_port, run_ranks
+from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
 from dcp_volumes.testing.scenarios import load_on_ranks, save_on_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -229,28 +227,9 @@ def _load_with_a_victim(rank: int, world: int, url: str, options: dict[str, Any]
 def test_a_rank_killed_mid_load_fails_the_others_in_bounded_time(replicated_on_four: Any
                                                                  ) -> None:
     url, options, _ = replicated_on_four
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, 4, port, _load_with_a_victim, (url, options),
-                                              {}, results)) for r in range(4)]
-    for p in procs:
-        p.start()
-    reported: dict[int, Any] = {}
-    try:
-        while len(reported) < 3:
-            rank, ok, out = results.get(timeout=180)
-            reported[rank] = out if ok else {"error": f"untyped: {out}"}
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted({0, 1, 2, 3} - set(reported) - {VICTIM})} hung after rank "
-                    f"{VICTIM} was killed mid-load")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert procs[VICTIM].exitcode == -signal.SIGKILL, procs[VICTIM].exitcode
+    reported = {rank: out if ok else {"error": f"untyped: {out}"}
+                for rank, (ok, out) in run_ranks_with_victim(
+                    4, VICTIM, _load_with_a_victim, url, options, timeout=180).items()}
     assert sorted(reported) == [r for r in range(4) if r != VICTIM]
     # a typed error, well within the test's limit (the timeout per step is 30 s)
     assert all(o["error"] == "DownloadError" for o in reported.values()), reported
