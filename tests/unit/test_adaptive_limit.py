@@ -17,6 +17,7 @@ import pickle
 import random
 
 import pytest
+from _error_shapes import AzureErrorShape, ClientErrorShape, HttpErrorShape
 
 from dcp_volumes import errors
 from dcp_volumes.backends import open_backend
@@ -153,28 +154,6 @@ def test_freeze_keeps_the_limit() -> None:
 # ---- throttling: classification, the store's AIMD rate, the limit following it ------------
 
 
-class _ClientError(Exception):
-    """botocore's ClientError shape (a ``response`` dict), without botocore."""
-
-    def __init__(self, code: str | None, status: int | None) -> None:
-        super().__init__(f"{code} {status}")
-        self.response = {"Error": {"Code": code} if code else {},
-                         "ResponseMetadata": {"HTTPStatusCode": status}}
-
-
-class _AzureError(Exception):
-    def __init__(self, status: int, error_code: str | None) -> None:
-        super().__init__(f"{status} {error_code}")
-        self.status_code = status
-        self.error_code = error_code
-
-
-class _HttpError(Exception):
-    def __init__(self, code: int) -> None:
-        super().__init__(str(code))
-        self.code = code
-
-
 def _wrapped(inner: BaseException) -> BaseException:
     """A filesystem re-raising a client error as a builtin (s3fs: ``raise OSError from``)."""
     try:
@@ -187,19 +166,19 @@ def _wrapped(inner: BaseException) -> BaseException:
 
 
 THROTTLES = [
-    ("s3-slowdown", _ClientError("SlowDown", 503), True),
-    ("s3-slowdown-wrapped", _wrapped(_ClientError("SlowDown", 503)), True),
-    ("s3-503-no-code", _ClientError(None, 503), True),
-    ("s3-service-unavailable", _ClientError("ServiceUnavailable", 503), True),
-    ("aws-throttling-400", _ClientError("ThrottlingException", 400), True),
-    ("aws-too-many-requests", _ClientError("TooManyRequests", 429), True),
-    ("azure-server-busy", _AzureError(503, "ServerBusy"), True),
-    ("azure-429", _AzureError(429, None), True),
-    ("gcs-429", _HttpError(429), True),
-    ("s3-internal-error", _ClientError("InternalError", 500), False),
-    ("s3-bad-digest", _ClientError("BadDigest", 400), False),
+    ("s3-slowdown", ClientErrorShape("SlowDown", 503), True),
+    ("s3-slowdown-wrapped", _wrapped(ClientErrorShape("SlowDown", 503)), True),
+    ("s3-503-no-code", ClientErrorShape(None, 503), True),
+    ("s3-service-unavailable", ClientErrorShape("ServiceUnavailable", 503), True),
+    ("aws-throttling-400", ClientErrorShape("ThrottlingException", 400), True),
+    ("aws-too-many-requests", ClientErrorShape("TooManyRequests", 429), True),
+    ("azure-server-busy", AzureErrorShape(503, "ServerBusy"), True),
+    ("azure-429", AzureErrorShape(429, None), True),
+    ("gcs-429", HttpErrorShape(429), True),
+    ("s3-internal-error", ClientErrorShape("InternalError", 500), False),
+    ("s3-bad-digest", ClientErrorShape("BadDigest", 400), False),
     ("connection-reset", ConnectionResetError(), False),
-    ("not-found", _ClientError("NoSuchKey", 404), False),
+    ("not-found", ClientErrorShape("NoSuchKey", 404), False),
     ("ours", errors.UploadError("x"), False),
 ]
 
@@ -474,7 +453,7 @@ def test_choke_point_reports_throttles_to_the_store(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr("dcp_volumes.backends.base.random.uniform", uniform)
     stats = CallStats()
-    fn = _Flaky(_ClientError("SlowDown", 503), 2)
+    fn = _Flaky(ClientErrorShape("SlowDown", 503), 2)
     assert backend.run(lambda: backend.call(fn, op="upload", url="x", stats=stats)) == "ok"
     assert stats.throttled == 2 and stats.retries == 2 and fn.calls == 3
     assert backend.throttle.throttled == 2 and backend.throttle.cuts >= 1
@@ -495,13 +474,13 @@ def test_throttled_retries_stop_doubling_while_paced(monkeypatch: pytest.MonkeyP
         return 0.0
 
     monkeypatch.setattr("dcp_volumes.backends.base.random.uniform", uniform)
-    fn = _Flaky(_ClientError("SlowDown", 503), 4)
+    fn = _Flaky(ClientErrorShape("SlowDown", 503), 4)
     backend.run(lambda: backend.call(fn, op="upload", url="x"))
     if react:  # full jitter over a backoff that doubles once, then stays
         assert drawn == [0.001, 0.002, 0.002, 0.002]
     else:
         assert drawn == [0.001, 0.002, 0.004, 0.008]
-    other = _Flaky(_ClientError("InternalError", 500), 3)  # not a throttle: doubles as ever
+    other = _Flaky(ClientErrorShape("InternalError", 500), 3)  # not a throttle: doubles as ever
     drawn.clear()
     backend.run(lambda: backend.call(other, op="upload", url="x"))
     assert drawn == [0.001, 0.002, 0.004]
@@ -530,7 +509,7 @@ def test_paced_throttles_spend_a_fraction_of_an_attempt(react: bool) -> None:
     backend.throttle = throttle if react else None
     # (max_attempts - 1) × THROTTLES_PER_ATTEMPT throttles, then an answer, while the store
     # answers the process's other requests
-    fn = _ServingOthers(_ClientError("SlowDown", 503), 2 * THROTTLES_PER_ATTEMPT, throttle)
+    fn = _ServingOthers(ClientErrorShape("SlowDown", 503), 2 * THROTTLES_PER_ATTEMPT, throttle)
     if react:
         assert backend.run(lambda: backend.call(fn, op="upload", url="x")) == "ok"
         assert fn.calls == 2 * THROTTLES_PER_ATTEMPT + 1
@@ -539,14 +518,14 @@ def test_paced_throttles_spend_a_fraction_of_an_attempt(react: bool) -> None:
             backend.run(lambda: backend.call(fn, op="upload", url="x"))
         assert fn.calls == 3
     # other transient errors spend whole attempts either way
-    other = _Flaky(_ClientError("InternalError", 500), 3)
+    other = _Flaky(ClientErrorShape("InternalError", 500), 3)
     with pytest.raises(errors.UploadError):
         backend.run(lambda: backend.call(other, op="upload", url="x"))
     assert other.calls == 3
     # and max_attempts=1 still means no retry at all
     once = open_backend("memory://throttle-attempts/ckpt", None, RetryOptions(max_attempts=1))
     once.throttle = StoreThrottle()
-    single = _Flaky(_ClientError("SlowDown", 503), 1)
+    single = _Flaky(ClientErrorShape("SlowDown", 503), 1)
     with pytest.raises(errors.UploadError):
         once.run(lambda: once.call(single, op="upload", url="x"))
     assert single.calls == 1
@@ -561,7 +540,7 @@ def test_a_store_that_refuses_everything_gets_whole_attempts() -> None:
     throttle = _Unpaced()
     backend.throttle = throttle
     throttle.on_success(adaptive.time.monotonic())  # an earlier request was answered
-    fn = _Flaky(_ClientError("SlowDown", 503), 100)
+    fn = _Flaky(ClientErrorShape("SlowDown", 503), 100)
     with pytest.raises(errors.UploadError, match="SlowDown"):
         backend.run(lambda: backend.call(fn, op="upload", url="x"))
     assert fn.calls == 3
@@ -572,7 +551,7 @@ def test_choke_point_does_not_cut_on_other_transient_errors() -> None:
     backend = _memory_backend("other")
     backend.throttle = StoreThrottle()
     stats = CallStats()
-    fn = _Flaky(_ClientError("InternalError", 500), 2)
+    fn = _Flaky(ClientErrorShape("InternalError", 500), 2)
     backend.run(lambda: backend.call(fn, op="upload", url="x", stats=stats))
     assert stats.retries == 2 and stats.throttled == 0
     assert backend.throttle.cuts == 0 and backend.throttle.rate is None
@@ -582,7 +561,7 @@ def test_choke_point_without_a_throttle_only_retries() -> None:
     backend = _memory_backend("off")
     backend.throttle = None
     stats = CallStats()
-    fn = _Flaky(_ClientError("SlowDown", 503), 2)
+    fn = _Flaky(ClientErrorShape("SlowDown", 503), 2)
     assert backend.run(lambda: backend.call(fn, op="upload", url="x", stats=stats)) == "ok"
     assert stats.throttled == 2
 

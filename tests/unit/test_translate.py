@@ -6,35 +6,10 @@ import asyncio
 import errno
 
 import pytest
+from _error_shapes import AzureErrorShape, ClientErrorShape, HttpErrorShape
 
 from dcp_volumes import errors
 from dcp_volumes.backends import is_transient, redact_url, translate_error
-
-
-class _ClientError(Exception):
-    """The shape of botocore's ClientError (a ``response`` dict), without botocore."""
-
-    def __init__(self, code: str | None, status: int | None) -> None:
-        super().__init__(f"{code} {status}")
-        self.response = {"Error": {"Code": code} if code else {},
-                         "ResponseMetadata": {"HTTPStatusCode": status}}
-
-
-class _AzureError(Exception):
-    """The shape of azure.core's HttpResponseError."""
-
-    def __init__(self, status: int, error_code: str | None) -> None:
-        super().__init__(f"{status} {error_code}")
-        self.status_code = status
-        self.error_code = error_code
-
-
-class _HttpError(Exception):
-    """The shape of gcsfs' HttpError / aiohttp's ClientResponseError."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(str(code))
-        self.code = code
 
 
 class ServerDisconnectedError(Exception):
@@ -53,23 +28,23 @@ def _wrapped(inner: BaseException) -> BaseException:
 
 
 TRANSLATIONS = [
-    ("s3-access-denied", _ClientError("AccessDenied", 403), errors.StoragePermissionError),
-    ("s3-bad-key", _ClientError("InvalidAccessKeyId", 403), errors.StoragePermissionError),
-    ("http-401", _HttpError(401), errors.StoragePermissionError),
+    ("s3-access-denied", ClientErrorShape("AccessDenied", 403), errors.StoragePermissionError),
+    ("s3-bad-key", ClientErrorShape("InvalidAccessKeyId", 403), errors.StoragePermissionError),
+    ("http-401", HttpErrorShape(401), errors.StoragePermissionError),
     ("permission-builtin", PermissionError("no"), errors.StoragePermissionError),
-    ("s3-no-bucket", _ClientError("NoSuchBucket", 404), errors.BucketNotFoundError),
-    ("azure-no-container", _AzureError(404, "ContainerNotFound"), errors.BucketNotFoundError),
-    ("s3-precondition", _ClientError("PreconditionFailed", 412), errors.CheckpointExistsError),
-    ("http-412", _HttpError(412), errors.CheckpointExistsError),
-    ("azure-exists", _AzureError(409, "BlobAlreadyExists"), errors.CheckpointExistsError),
+    ("s3-no-bucket", ClientErrorShape("NoSuchBucket", 404), errors.BucketNotFoundError),
+    ("azure-no-container", AzureErrorShape(404, "ContainerNotFound"), errors.BucketNotFoundError),
+    ("s3-precondition", ClientErrorShape("PreconditionFailed", 412), errors.CheckpointExistsError),
+    ("http-412", HttpErrorShape(412), errors.CheckpointExistsError),
+    ("azure-exists", AzureErrorShape(409, "BlobAlreadyExists"), errors.CheckpointExistsError),
     ("file-exists", FileExistsError("x"), errors.CheckpointExistsError),
-    ("s3-invalid-range", _ClientError("InvalidRange", 416), errors.IntegrityError),
-    ("s3-no-key", _ClientError("NoSuchKey", 404), errors.ObjectNotFoundError),
-    ("azure-no-blob", _AzureError(404, "BlobNotFound"), errors.ObjectNotFoundError),
+    ("s3-invalid-range", ClientErrorShape("InvalidRange", 416), errors.IntegrityError),
+    ("s3-no-key", ClientErrorShape("NoSuchKey", 404), errors.ObjectNotFoundError),
+    ("azure-no-blob", AzureErrorShape(404, "BlobNotFound"), errors.ObjectNotFoundError),
     ("file-not-found", FileNotFoundError("x"), errors.ObjectNotFoundError),
-    ("wrapped-no-key", _wrapped(_ClientError("NoSuchKey", 404)), errors.ObjectNotFoundError),
-    ("s3-slowdown", _ClientError("SlowDown", 503), errors.UploadError),
-    ("http-500", _HttpError(500), errors.UploadError),
+    ("wrapped-no-key", _wrapped(ClientErrorShape("NoSuchKey", 404)), errors.ObjectNotFoundError),
+    ("s3-slowdown", ClientErrorShape("SlowDown", 503), errors.UploadError),
+    ("http-500", HttpErrorShape(500), errors.UploadError),
     ("other", ValueError("odd"), errors.UploadError),
 ]
 
@@ -84,7 +59,7 @@ def test_translation_table(exc: BaseException, expected: type[errors.DCPVolumesE
 
 @pytest.mark.parametrize("op", ["download", "list", "read"])
 def test_read_side_failures_are_download_errors(op: str) -> None:
-    assert type(translate_error(_HttpError(500), url="s3://b/x", op=op)) is errors.DownloadError
+    assert type(translate_error(HttpErrorShape(500), url="s3://b/x", op=op)) is errors.DownloadError
     assert type(translate_error(ValueError(), url="s3://b/x", op=op)) is errors.DownloadError
 
 
@@ -95,24 +70,24 @@ def test_our_own_errors_pass_through_unchanged() -> None:
 
 
 TRANSIENCE = [
-    ("slowdown", _ClientError("SlowDown", 503), True),
-    ("throttling-code", _ClientError("Throttling", 400), True),
-    ("bad-digest", _ClientError("BadDigest", 400), True),
-    ("internal", _ClientError("InternalError", 500), True),
-    ("server-busy", _AzureError(503, "ServerBusy"), True),
-    ("http-429", _HttpError(429), True),
-    ("http-408", _HttpError(408), True),
-    ("http-502", _HttpError(502), True),
+    ("slowdown", ClientErrorShape("SlowDown", 503), True),
+    ("throttling-code", ClientErrorShape("Throttling", 400), True),
+    ("bad-digest", ClientErrorShape("BadDigest", 400), True),
+    ("internal", ClientErrorShape("InternalError", 500), True),
+    ("server-busy", AzureErrorShape(503, "ServerBusy"), True),
+    ("http-429", HttpErrorShape(429), True),
+    ("http-408", HttpErrorShape(408), True),
+    ("http-502", HttpErrorShape(502), True),
     ("reset", ConnectionResetError(), True),
     ("timeout", TimeoutError(), True),
     ("asyncio-timeout", asyncio.TimeoutError(), True),
     ("disconnected-by-name", ServerDisconnectedError(), True),
-    ("wrapped-slowdown", _wrapped(_ClientError("SlowDown", 503)), True),
+    ("wrapped-slowdown", _wrapped(ClientErrorShape("SlowDown", 503)), True),
     ("econnreset-oserror", OSError(errno.ECONNRESET, "reset"), True),
-    ("access-denied", _ClientError("AccessDenied", 403), False),
-    ("no-key", _ClientError("NoSuchKey", 404), False),
-    ("precondition", _ClientError("PreconditionFailed", 412), False),
-    ("http-400", _HttpError(400), False),
+    ("access-denied", ClientErrorShape("AccessDenied", 403), False),
+    ("no-key", ClientErrorShape("NoSuchKey", 404), False),
+    ("precondition", ClientErrorShape("PreconditionFailed", 412), False),
+    ("http-400", HttpErrorShape(400), False),
     ("value-error", ValueError(), False),
     ("enospc", OSError(errno.ENOSPC, "full"), False),
 ]
