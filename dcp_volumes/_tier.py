@@ -18,6 +18,13 @@ descriptor is missing is never read. Whether the save committed is not recorded 
 the reader only ever looks for the files the committed manifest in the store names, at the
 sizes it names, and checks every byte against the manifest's CRC32C (bytes from local disk
 are as untrusted as bytes from the store). A failure in the tier never fails a save.
+
+A **local-only** save (``Checkpointer.save(..., local_only=True)``) goes nowhere else: every
+rank writes its shard files here, then the coordinator's ``.metadata`` and manifest (the same
+bytes on every rank), then its descriptor, which also records ``local_only: {save_id,
+manifest_sha256, world}``. :func:`find_local_only` lists such saves for a restore; each is
+checked (descriptor, ``.metadata`` with the restricted unpickler, manifest and its SHA-256)
+before it counts, and each byte read later is checked against that manifest's CRC32C.
 """
 
 from __future__ import annotations
@@ -35,13 +42,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._manifest import Manifest
+from dcp_volumes._manifest import Manifest, load_metadata, volume_save_id
 from dcp_volumes.backends import redact_url
 from dcp_volumes.config import LocalTierOptions
 from dcp_volumes.transfer.readplan import Need, check_need, describe, plan_ranges
 
-__all__ = ["LocalFile", "LocalRead", "TierSave", "apply_retention", "find_local",
-           "read_local", "url_key"]
+__all__ = ["LocalCommit", "LocalFile", "LocalOnlyCopy", "LocalRead", "TierSave",
+           "apply_retention", "find_local", "find_local_only", "read_local", "read_span",
+           "url_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +61,30 @@ STALE_S = 3600.0
 _URL_KEY_RE = re.compile(r"^[0-9a-f]{16}$")
 _SAVE_KEY_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{12}$")
 _DESCRIPTOR_RE = re.compile(rf"^{re.escape(DESCRIPTOR_PREFIX)}(\d+)\.json$")
+#: the largest local ``.metadata`` / manifest read (as for the store's, see ``_commit``)
+MAX_COMMIT_FILE = 1 << 30
 
 
-def _normal_url(url: str) -> str:
+@dataclass(frozen=True)
+class LocalCommit:
+    """What commits a local-only save in each rank's tier: the coordinator's bytes."""
+
+    save_id: str
+    metadata: bytes
+    manifest: bytes
+
+    @property
+    def manifest_sha256(self) -> str:
+        return hashlib.sha256(self.manifest).hexdigest()
+
+
+def normal_url(url: str) -> str:
     return redact_url(os.fspath(url)).rstrip("/")
 
 
 def url_key(url: str) -> str:
     """The directory name of a checkpoint URL's saves in the tier."""
-    return hashlib.sha256(_normal_url(url).encode()).hexdigest()[:16]
+    return hashlib.sha256(normal_url(url).encode()).hexdigest()[:16]
 
 
 def descriptor_name(rank: int) -> str:
@@ -80,7 +103,7 @@ class TierSave:
     def __init__(self, options: LocalTierOptions, url: str, save_key: str, rank: int) -> None:
         self.options = options
         self.root = options.resolved_directory()
-        self.url = _normal_url(url)
+        self.url = normal_url(url)
         self.save_key = save_key
         self.rank = rank
         self.dir = os.path.join(self.root, url_key(url), save_key)
@@ -96,11 +119,18 @@ class TierSave:
             self.ok = False
         return self.ok
 
-    def keep(self, source: str, relative: str, size: int) -> None:
-        """Move the spooled file ``source`` (uploaded in full) into the tier."""
+    def keep(self, source: str, relative: str, size: int, *, sync: bool = False) -> None:
+        """Move the spooled file ``source`` (uploaded in full) into the tier; ``sync``: make
+        its bytes durable on local disk first (a local-only save has no other copy)."""
         if not self.ok:
             return
         try:
+            if sync:
+                fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             dest = os.path.join(self.dir, _layout.check_relative_path(relative))
             try:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -116,23 +146,26 @@ class TierSave:
         except (OSError, errors.UnsafeCheckpointError) as exc:
             self._give_up(exc)
 
-    def complete(self) -> int:
+    def complete(self, local_only: LocalCommit | None = None, world: int = 0) -> int:
         """Write this rank's descriptor (the files are complete), then apply retention.
-        Returns the bytes kept."""
-        if not self.ok or not self.files:
+        With ``local_only``, the save's ``.metadata`` and manifest are written first and the
+        descriptor says so (``world``: the ranks that saved). Returns the bytes kept."""
+        if not self.ok or (not self.files and local_only is None):
             return 0
-        doc = {"format": 1, "url": self.url, "save_key": self.save_key, "rank": self.rank,
-               "created": time.time(), "files": self.files}
+        doc: dict[str, object] = {"format": 1, "url": self.url, "save_key": self.save_key,
+                                  "rank": self.rank, "created": time.time(),
+                                  "files": self.files}
         path = os.path.join(self.dir, descriptor_name(self.rank))
-        tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if local_only is not None:
+                os.makedirs(self.dir, exist_ok=True)
+                _write_atomic(os.path.join(self.dir, _layout.METADATA), local_only.metadata)
+                _write_atomic(os.path.join(self.dir, _layout.manifest_name(local_only.save_id)),
+                              local_only.manifest)
+                doc["local_only"] = {"save_id": local_only.save_id, "world": world,
+                                     "manifest_sha256": local_only.manifest_sha256}
+            _write_atomic(path, json.dumps(doc).encode())
         except OSError as exc:
-            _unlink_quietly(tmp)
             self._give_up(exc)
             return 0
         kept = sum(self.files.values())
@@ -158,6 +191,19 @@ class TierSave:
                        "durable in the store, loads will read it from there", self.rank,
                        self.root, what)
         self.abandon()
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
 
 
 def _copy(source: str, dest: str) -> None:
@@ -203,6 +249,8 @@ class _Descriptor:
     rank: int
     created: float
     files: dict[str, int]
+    url: str = ""
+    local_only: tuple[str, int, str] | None = None  # save id, world, manifest sha256
 
 
 def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor | None:
@@ -237,9 +285,21 @@ def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor |
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 return None
             out[_layout.check_relative_path(rel)] = size
+        lo = doc.get("local_only")
+        local_only = None
+        if lo is not None:
+            sid, lworld, sha = lo["save_id"], lo["world"], lo["manifest_sha256"]
+            if (not _layout.is_save_id(sid) or isinstance(lworld, bool)
+                    or not isinstance(lworld, int) or not 0 <= rank < lworld
+                    or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha)):
+                return None
+            local_only = (sid, lworld, sha)
+        durl = doc.get("url")
+        if not isinstance(durl, str):
+            return None
     except (ValueError, KeyError, TypeError, AttributeError, errors.UnsafeCheckpointError):
         return None
-    return _Descriptor(rank, float(created), out)
+    return _Descriptor(rank, float(created), out, durl, local_only)
 
 
 def _descriptors(save_dir: str, url: str | None, save_key: str) -> list[_Descriptor]:
@@ -326,7 +386,7 @@ def find_local(options: LocalTierOptions, url: str, manifest: Manifest
         return usable, rejected
     base = os.path.join(root, url_key(url))
     listed_by_key: dict[str, dict[str, int]] = {}
-    normal = _normal_url(url)
+    normal = normal_url(url)
     for relative, entry in manifest.files.items():
         key = _layout.save_id_of(relative)
         if key is None:
@@ -419,3 +479,129 @@ def read_local(needs: list[Need], files: dict[str, LocalFile], *, gap: int, max_
 def _warn_fallback(relative: str, url: str, why: str, count: int) -> None:
     logger.warning("local copy of shard %s of %s is not used: %s; reading %d items from the "
                    "store", relative, url, why, count)
+
+
+def read_span(local: LocalFile, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a local shard file (a regular file, no link, still of the
+    size it was found at). Raises ``OSError`` when they cannot be read in full."""
+    fd = os.open(local.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != local.size:
+            raise OSError(errno.EIO, f"it changed (now {st.st_size} bytes, expected "
+                          f"{local.size})")
+        data = os.pread(fd, end - start, start)
+    finally:
+        os.close(fd)
+    if len(data) != end - start:
+        raise OSError(errno.EIO, "it is shorter than expected")
+    return data
+
+
+# ---- local-only saves ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LocalOnlyCopy:
+    """One rank's descriptor of a local-only save found (and checked) in this node's tier.
+    ``commit`` (the ``.metadata`` and manifest bytes) stays on the rank that read it."""
+
+    url: str
+    save_id: str
+    rank: int
+    world: int
+    manifest_sha256: str
+    created: float
+    commit: LocalCommit | None = field(default=None, compare=False, repr=False)
+
+    def key(self) -> tuple[str, str, str, int]:
+        """What every rank's descriptor of one save has in common."""
+        return self.url, self.save_id, self.manifest_sha256, self.world
+
+    def without_commit(self) -> LocalOnlyCopy:
+        return LocalOnlyCopy(self.url, self.save_id, self.rank, self.world,
+                             self.manifest_sha256, self.created)
+
+
+def _read_bounded(path: str) -> bytes | None:
+    """A regular file's bytes (no link, at most :data:`MAX_COMMIT_FILE`), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_COMMIT_FILE:
+            return None
+        chunks = []
+        left = st.st_size + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        return data if len(data) == st.st_size else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _check_commit(save_dir: str, save_id: str, world: int, sha: str) -> LocalCommit | None:
+    """The ``.metadata`` and manifest of a local-only save in ``save_dir``, when they are
+    what its descriptor says: a manifest with that SHA-256, save id and world size, and a
+    ``.metadata`` that the restricted unpickler accepts and that commits that save id."""
+    manifest_bytes = _read_bounded(os.path.join(save_dir, _layout.manifest_name(save_id)))
+    if manifest_bytes is None or hashlib.sha256(manifest_bytes).hexdigest() != sha:
+        return None
+    metadata_bytes = _read_bounded(os.path.join(save_dir, _layout.METADATA))
+    if metadata_bytes is None:
+        return None
+    where = os.path.join(save_dir, _layout.METADATA)
+    try:
+        manifest = Manifest.from_json(manifest_bytes, where=where)
+        metadata = load_metadata(metadata_bytes, where=where)
+    except errors.DCPVolumesError as exc:
+        logger.warning("local-only save %s in %s is not used: %s", save_id, save_dir, exc)
+        return None
+    if manifest.save_id != save_id or manifest.world_size != world or \
+            volume_save_id(metadata) != save_id:
+        logger.warning("local-only save %s in %s is not used: its .metadata or manifest "
+                       "belongs to another save", save_id, save_dir)
+        return None
+    return LocalCommit(save_id, metadata_bytes, manifest_bytes)
+
+
+def find_local_only(options: LocalTierOptions, wanted: Callable[[str], bool]
+                    ) -> list[LocalOnlyCopy]:
+    """Every rank descriptor of a local-only save in this node's tier whose checkpoint URL
+    ``wanted`` accepts, with its save's ``.metadata`` and manifest checked (see
+    :func:`_check_commit`). Descriptors whose URL does not hash to their directory, or whose
+    files are missing or damaged, are left out."""
+    root = os.path.realpath(options.resolved_directory())
+    out: list[LocalOnlyCopy] = []
+    for udir in _scandir(root):
+        if not (_URL_KEY_RE.match(udir.name) and udir.is_dir(follow_symlinks=False)):
+            continue
+        for sdir in _scandir(udir.path):
+            if not (_SAVE_KEY_RE.match(sdir.name) and sdir.is_dir(follow_symlinks=False)):
+                continue
+            checked: dict[tuple[str, int, str], LocalCommit | None] = {}
+            for d in _descriptors(sdir.path, None, sdir.name):
+                if d.local_only is None or url_key(d.url) != udir.name or not wanted(d.url):
+                    continue
+                if d.local_only not in checked:
+                    checked[d.local_only] = _check_commit(sdir.path, *d.local_only)
+                commit = checked[d.local_only]
+                if commit is None:
+                    continue
+                sid, world, sha = d.local_only
+                if any(_unusable(os.path.join(sdir.path, rel), size) is not None
+                       for rel, size in d.files.items()):
+                    logger.warning("local-only save %s of %s: rank %d's files in %s are "
+                                   "missing or damaged; not used", sid, d.url, d.rank,
+                                   sdir.path)
+                    continue
+                out.append(LocalOnlyCopy(d.url, sid, d.rank, world, sha, d.created, commit))
+    return out

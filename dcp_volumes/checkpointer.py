@@ -28,11 +28,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_volumes import _compat, catalog, errors
+from dcp_volumes import _compat, _tier, catalog, errors
 from dcp_volumes._api import typed_errors, typed_failure
 from dcp_volumes.backends import parse_url, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
 from dcp_volumes.reader import VolumeReader
+from dcp_volumes.stats import LoadStats
 from dcp_volumes.writer import VolumeWriter, check_local_tier
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ class Checkpointer:
         local_tier: :class:`~dcp_volumes.LocalTierOptions`: every save also keeps each rank's
             files on node-local disk, and :meth:`load_latest` reads what is there (checked
             against the committed checkpoint) before the store. Its ``keep_last`` and
-            ``max_bytes`` apply to the local copies only.
+            ``max_bytes`` apply to the local copies only (local-only saves included). Needed
+            by ``save(..., local_only=True)``.
         safe_globals: classes a checkpoint's pickled non-tensor items may reference on load
             (as :class:`~dcp_volumes.VolumeReader`'s ``safe_globals``).
         step_format: directory name of a step, a ``str.format`` template with ``{step}``.
@@ -157,6 +159,8 @@ class Checkpointer:
         self._check_step_format()
 
         self._writer: VolumeWriter | None = None
+        #: this rank's :class:`~dcp_volumes.LoadStats` of the last :meth:`load_latest`
+        self.last_load_stats: LoadStats | None = None
         self._pending: _Pending | None = None
         self._closed = False
         self._last_step: int | None = None
@@ -219,11 +223,19 @@ class Checkpointer:
         return due
 
     # ---- save ----------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
+             local_only: bool = False) -> bool:
         """Save ``state_dict`` as checkpoint ``step`` if the policy says so (or ``force``).
 
         Sync: returns once the checkpoint is committed. Async: waits for the previous save,
         stages ``state_dict`` and returns while it uploads.
+
+        ``local_only=True`` writes the save to each rank's local tier only (needs
+        ``local_tier=``): nothing goes to the store. It is *local-complete* once every rank
+        wrote its copy; it is never durable (the catalog, ``latest`` and retention of the
+        store do not see it), and :meth:`load_latest` uses it only when the whole group
+        holds it and it is newer than the newest durable checkpoint. A rank that cannot
+        write its copy (tier full, unwritable) logs a WARNING and the save is never used.
 
         Returns:
             True if a save was started.
@@ -234,6 +246,13 @@ class Checkpointer:
                 (async; this save is then not started).
         """
         self._check_open()
+        if not isinstance(local_only, bool):
+            raise errors.ConfigError(f"local_only= must be True or False, got {local_only!r}")
+        if local_only and self.local_tier is None:
+            raise errors.ConfigError(
+                "save(..., local_only=True) writes to the local tier only, and this "
+                "Checkpointer has none: pass Checkpointer(..., local_tier=LocalTierOptions("
+                "directory=...)), or save without local_only=True")
         if not force and not self.should_save(step):
             # A failed background save is raised at the next save that happens, not here: every
             # rank reaches that point at the same step, so all raise together.
@@ -248,11 +267,16 @@ class Checkpointer:
             )
         self._last_step = step
         self._last_save_t = time.monotonic()
+        writer = self._writer
+        writer._local_only = local_only
         if not self.async_save:
             with typed_errors():
-                dcp.save(state_dict, checkpoint_id=url, storage_writer=self._writer,
+                dcp.save(state_dict, checkpoint_id=url, storage_writer=writer,
                          process_group=self._ctl_group)
-            self._after_commit(step, url)
+            if local_only:
+                self._complete_local_only(writer, step, url, self._ctl_group)
+            else:
+                self._after_commit(step, url)
             return True
         response = dcp.async_save(
             state_dict,
@@ -269,7 +293,10 @@ class Checkpointer:
             exc = fut.exception()
             if exc is None:
                 try:
-                    self._after_commit(step, url)
+                    if local_only:
+                        self._complete_local_only(writer, step, url, self._save_group)
+                    else:
+                        self._after_commit(step, url)
                 except BaseException as late:  # noqa: BLE001 -- `done` must settle, or wait() hangs
                     exc = late
             if exc is not None:
@@ -279,6 +306,22 @@ class Checkpointer:
 
         upload.add_done_callback(_settle)
         return True
+
+    def _complete_local_only(self, writer: VolumeWriter, step: int, url: str,
+                             group: dist.ProcessGroup | None) -> None:
+        """Every rank stores the coordinator's ``.metadata`` and manifest in its tier, then
+        its descriptor (a collective on ``group``: the bytes come from its rank 0)."""
+        commit, writer._local_commit = writer._local_commit, None
+        if self._distributed:
+            box: list[Any] = [commit]
+            dist.broadcast_object_list(box, group_src=0, group=group)
+            commit = box[0] if isinstance(box[0], _tier.LocalCommit) else None
+        if writer.complete_local_only(commit):
+            logger.info("local-only save of step %d written to the local tier (%s)", step,
+                        redact_url(url))
+        else:
+            logger.warning("rank %d: the local-only save of step %d could not be completed "
+                           "in the local tier: it will not be used", self._rank, step)
 
     def _after_commit(self, step: int, url: str) -> None:
         logger.info("checkpoint of step %d committed at %s", step, redact_url(url))
@@ -344,17 +387,83 @@ class Checkpointer:
             step_pattern=self.step_pattern,
             process_group=self._ctl_group,
         )
-        if info is None:
+        local = self._newest_local_only()
+        step: int | None
+        commit: _tier.LocalCommit | None
+        if local is not None and (info is None or info.step is None or local[0] > info.step):
+            step, url, commit = local
+        elif info is not None:
+            step, url, commit = info.step, info.url, None
+        else:
             return None
-        reader = VolumeReader(info.url, storage_options=self.storage_options,
+        reader = VolumeReader(url, storage_options=self.storage_options,
                               transfer=self.transfer, retry=self.retry,
                               safe_globals=self.safe_globals, local_tier=self.local_tier)
+        reader._local_commit = commit
         with typed_errors(lambda: reader.last_error):
             dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
-        self._last_step = info.step
+        self.last_load_stats = reader.last_stats
+        self._last_step = step
         self._last_save_t = time.monotonic()
-        logger.info("resumed from %s (step %s)", redact_url(info.url), info.step)
-        return info.step
+        logger.info("resumed from %s (step %s%s)", redact_url(url), step,
+                    ", local-only save" if commit is not None else "")
+        return step
+
+    def _newest_local_only(self) -> tuple[int, str, _tier.LocalCommit] | None:
+        """The newest local-only save of this run that the whole group holds: every saving
+        rank's descriptor found (and checked) in some rank's tier, with one save id and one
+        manifest digest. One all_gather_object; the same answer on every rank."""
+        if self.local_tier is None:
+            return None
+        prefix = _tier.normal_url(self.root) + "/"
+
+        def step_of(url: str) -> int | None:
+            name = url[len(prefix):] if url.startswith(prefix) else ""
+            step = catalog.step_of(name, self.step_pattern) if name and "/" not in name \
+                else None
+            if step is None or _tier.normal_url(self.url_for(step)) != url:
+                return None
+            return step
+
+        mine = _tier.find_local_only(self.local_tier, lambda u: step_of(u) is not None)
+        found = [c.without_commit() for c in mine]
+        if self._distributed:
+            gathered: list[Any] = [None] * dist.get_world_size(self._ctl_group)
+            dist.all_gather_object(gathered, found, group=self._ctl_group)
+        else:
+            gathered = [found]
+        ranks: dict[tuple[str, str, str, int], set[int]] = {}
+        holders: dict[tuple[str, str, str, int], list[int]] = {}
+        created: dict[tuple[str, str, str, int], float] = {}
+        for member, copies in enumerate(gathered):
+            for c in copies if isinstance(copies, list) else []:
+                if not isinstance(c, _tier.LocalOnlyCopy):
+                    continue
+                ranks.setdefault(c.key(), set()).add(c.rank)
+                if member not in holders.setdefault(c.key(), []):
+                    holders[c.key()].append(member)
+                created[c.key()] = max(created.get(c.key(), 0.0), c.created)
+        complete = []
+        for key, got in ranks.items():
+            step = step_of(key[0])
+            if step is not None and got == set(range(key[3])):
+                complete.append((step, created[key], key))
+            elif step is not None:
+                logger.info("local-only save of step %d (%s) is not complete across the group "
+                            "(descriptors of %d of %d ranks): not used", step, key[1],
+                            len(got), key[3])
+        if not complete:
+            return None
+        step, _, key = max(complete)
+        commit = next((c.commit for c in mine if c.key() == key), None)
+        if self._distributed and len(holders[key]) < len(gathered):
+            box: list[Any] = [commit]  # some rank's tier has no copy: the first holder's
+            dist.broadcast_object_list(box, group_src=min(holders[key]), group=self._ctl_group)
+            commit = box[0] if isinstance(box[0], _tier.LocalCommit) else None
+        if commit is None:  # cannot happen: the save is complete, so some rank holds it
+            raise errors.IntegrityError(f"the local-only save of step {step} lost its "
+                                        ".metadata while loading")
+        return step, self.url_for(step), commit
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:

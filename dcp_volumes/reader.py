@@ -18,7 +18,7 @@ from torch.futures import Future
 from dcp_volumes import _compat, _layout, _tier, errors
 from dcp_volumes._commit import read_committed
 from dcp_volumes._location import Location
-from dcp_volumes._manifest import Manifest
+from dcp_volumes._manifest import Manifest, load_metadata, volume_save_id
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
@@ -72,7 +72,9 @@ class VolumeReader(Location, StorageReader):
             manifest are read as always and decide which save that is; every byte from local
             disk is checked against the manifest's CRC32C, and a missing, wrong-size, linked
             or corrupt local copy is read from the store instead (a WARNING, counted in
-            ``LoadStats.local_fallbacks``). Needs ``verify=True``.
+            ``LoadStats.local_fallbacks``). In a cooperative load a rank also reads the
+            ranges other ranks need of the files it holds and sends them (checked first;
+            ``LoadStats.bytes_from_peers`` on the receiving side). Needs ``verify=True``.
     """
 
     def __init__(
@@ -126,6 +128,9 @@ class VolumeReader(Location, StorageReader):
         #: the typed error of the last failed read_metadata/read_data on this rank
         self.last_error: errors.DCPVolumesError | None = None
         self._metadata_retries = 0  # retries of the .metadata and manifest reads
+        # a local-only save's commit bytes (Checkpointer.load_latest): read instead of the
+        # store's, and every shard byte must come from a local tier (this node's or a peer's)
+        self._local_commit: _tier.LocalCommit | None = None
 
     def __repr__(self) -> str:
         return f"VolumeReader({redact_url(self._url)!r})"
@@ -152,6 +157,14 @@ class VolumeReader(Location, StorageReader):
                 "global .metadata)"
             )
         self.last_error = None
+        if self._local_commit is not None:
+            try:
+                metadata, self._manifest = _local_committed(self._local_commit, self._url)
+            except errors.DCPVolumesError as exc:
+                self.last_error = exc
+                raise
+            metadata.storage_meta.load_id = _layout.new_save_id()  # type: ignore[union-attr]
+            return metadata
         stats = CallStats()
         try:
             committed = read_committed(self._backend(), with_manifest=self.verify, stats=stats)
@@ -199,6 +212,8 @@ class VolumeReader(Location, StorageReader):
             return plans
         url = redact_url(self._url)
         try:
+            # a rank reads what it needs of its local files itself (left out here), and
+            # serves those files to the ranks that need them
             needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url),
                                  getattr(p.storage_data, "local_files", frozenset()))
                      for p in plans]
@@ -213,10 +228,10 @@ class VolumeReader(Location, StorageReader):
             log = logger.warning if self.cooperative is True and len(plans) > 1 else logger.debug
             log("%s: every rank reads directly: %s", url, why)
             return plans
-        logger.info("cooperative load of %s on %d ranks: %d unique bytes (%d shared) fetched "
-                    "once instead of %d, in %d bundles and %d rounds", url, why.ranks,
-                    why.unique_bytes, why.shared_bytes, why.direct_bytes, why.bundles,
-                    why.rounds)
+        logger.info("cooperative load of %s on %d ranks: %d unique bytes (%d shared, %d read "
+                    "from local tiers) read once instead of %d, in %d bundles and %d rounds",
+                    url, why.ranks, why.unique_bytes, why.shared_bytes, why.local_bytes,
+                    why.direct_bytes, why.bundles, why.rounds)
         return [dataclasses.replace(p, storage_data=a) for p, a in zip(plans, assigned)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -236,6 +251,11 @@ class VolumeReader(Location, StorageReader):
             needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
             local = self._read_local(needs, planner, url)
             state.update(needs=needs, local=local)
+            if self._local_commit is not None and local.fallback:
+                raise errors.IntegrityError(
+                    f"rank {self._rank}: the local copy of shard {local.fallback[0].relative} "
+                    f"of the local-only save of {url} cannot be used (see the warning above), "
+                    "and the store has none: load the newest durable checkpoint instead")
             return needs, local, _from_store(needs, frozenset(self._local))
 
         if isinstance(plan.storage_data, cooperative.Assignment):
@@ -243,7 +263,8 @@ class VolumeReader(Location, StorageReader):
                 plan.storage_data, url=url, planner=planner, trusted=self.safe_globals,
                 max_concurrency=self.transfer.max_concurrency,
                 part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
-                timeout_s=self.cooperative_timeout_s,
+                timeout_s=self.cooperative_timeout_s, local_files=self._local,
+                store=self._local_commit is None,
             )
             # inside coop.run: a rank that fails here fails every rank at once
             figures = coop.run(lambda: (self._backend(), _setup()[2]))
@@ -259,13 +280,20 @@ class VolumeReader(Location, StorageReader):
                     retries=figures.calls.retries + stats.retries + self._metadata_retries,
                     cooperative=True, bytes_from_peers=figures.bytes_from_peers,
                     bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
-                    peer_wait_s=figures.wait_s, bytes_from_local=local.bytes_used,
-                    local_fallbacks=self._fallbacks(needs, local),
+                    peer_wait_s=figures.wait_s,
+                    bytes_from_local=local.bytes_used + figures.bytes_from_local,
+                    local_fallbacks=self._fallbacks(needs, local) + figures.local_fallbacks,
                 ), url)
             # every rank agreed to read directly (the plan changed after it was made)
             remote = _from_store(needs, frozenset(self._local))
         else:
             needs, local, remote = _setup()
+        if self._local_commit is not None and (remote or local.fallback):
+            missing = (remote + local.fallback)[0]
+            raise errors.IntegrityError(
+                f"rank {self._rank}: shard {missing.relative} of the local-only save of {url} "
+                "has no usable local copy on this node (and no rank serves it), and the store "
+                "has none: load the newest durable checkpoint instead")
         stats = CallStats()
         fetched, nranges = self._fetch_direct(remote + local.fallback, planner, url, stats)
         return self._done(LoadStats(
@@ -345,6 +373,19 @@ class VolumeReader(Location, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _local_committed(commit: _tier.LocalCommit, url: str) -> tuple[Metadata, Manifest]:
+    """The ``.metadata`` and manifest of a local-only save, checked as the store's are."""
+    where = f"the local-only save {commit.save_id} of {redact_url(url)}"
+    metadata = load_metadata(commit.metadata, where=where)
+    manifest = Manifest.from_json(commit.manifest, where=where)
+    if volume_save_id(metadata) != commit.save_id or manifest.save_id != commit.save_id:
+        raise errors.IntegrityError(f"{where}: its .metadata or manifest belongs to another "
+                                    "save")
+    if metadata.storage_meta is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata, manifest
 
 
 def _from_store(needs: list[Need], local_files: frozenset[str]) -> list[Need]:

@@ -214,6 +214,12 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         self._save_id: str | None = None
         self.last_stats: SaveStats | None = None
         self._staging = StagingBuffers()
+        # A local-only save (set by Checkpointer.save(local_only=True), which completes it):
+        # nothing goes to the store; write_data leaves each rank's files in the tier without
+        # a descriptor, finish leaves the coordinator's commit bytes in _local_commit.
+        self._local_only = False
+        self._local_pending: _tier.TierSave | None = None
+        self._local_commit: _tier.LocalCommit | None = None
 
     # ---- pickling (AsyncCheckpointerType.PROCESS): config only -------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -266,6 +272,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 f"the state dict is empty on every rank: nothing to save to "
                 f"{redact_url(self._url)}; pass the model/optimizer state you mean to checkpoint"
             )
+        if self._local_only:  # no network: no existence check, no live record
+            self._save_id = _layout.new_save_id()
+            return [dataclasses.replace(p, storage_data=_SavePrefix(self._save_id, i))
+                    for i, p in enumerate(plans)]
         backend = self._backend()
 
         async def _check() -> bool:
@@ -297,8 +307,13 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             logger.debug("rank %d: the plan carries save id %s of an earlier save (a cached "
                          "plan); naming this save's shards %s", self._rank, prefix.save_id,
                          shard_id)
-        results = self._write_live(plan.items, planner, _SavePrefix(shard_id, prefix.rank),
-                                   plan_save_id=prefix.save_id)
+        if self._local_only:
+            results = self._write_local_only(plan.items, planner,
+                                             _SavePrefix(shard_id, prefix.rank))
+        else:
+            results = self._write_live(plan.items, planner,
+                                       _SavePrefix(shard_id, prefix.rank),
+                                       plan_save_id=prefix.save_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -393,6 +408,78 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         )
         return results
 
+    def _write_local_only(self, items: list[WriteItem], planner: SavePlanner,
+                          prefix: _SavePrefix) -> list[WriteResult]:
+        """Spool this rank's items and move the files into the local tier (made durable on
+        local disk); the descriptor is written by :meth:`complete_local_only`, last."""
+        assert self.local_tier is not None
+        start = time.monotonic()
+        directory = self.spool.resolved_directory()
+        remove_dead_spools(directory)
+        check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
+                         self.spool.free_space_margin)
+        tier = _tier.TierSave(self.local_tier, self._url, prefix.save_id, self._rank)
+        self._local_pending = None
+        spools: list[SpoolFile] = []
+        results: list[WriteResult] = []
+        total = 0
+        try:
+            with _without_torch_zip_crc():
+                for index, bucket in enumerate(_split_by_size(self.spool.files_per_rank, items)):
+                    relative = _layout.shard_path(self.transfer.key_layout, prefix.rank, index,
+                                                  prefix.save_id)
+                    sf = SpoolFile(relative, mode="disk", directory=directory,
+                                   part_size=self.transfer.part_size, emit=_no_upload)
+                    spools.append(sf)
+                    for item in bucket:
+                        results.append(self._write_item(sf, item, planner, relative))
+                    total += sf.close()
+            spool_end = time.monotonic()
+            if not tier.admit(total):
+                raise errors.SpoolError(
+                    f"rank {self._rank}: a local-only save of {total} bytes exceeds "
+                    "LocalTierOptions.max_bytes: raise it, or save to the store")
+            for sf in spools:
+                if sf.path is not None:
+                    tier.keep(sf.path, sf.name, sf.tell(), sync=True)
+            if not tier.ok:
+                raise errors.SpoolError(
+                    f"rank {self._rank}: the local-only save could not be written to the "
+                    f"local tier {tier.root} (see the warning above)")
+        except BaseException:
+            tier.abandon()
+            raise
+        finally:
+            for sf in spools:
+                sf.discard()
+            self._staging.release_oldest()
+        self._local_pending = tier
+        end = time.monotonic()
+        self.last_stats = SaveStats(rank=self._rank, bytes=total, files=len(spools),
+                                    spool_s=spool_end - start, upload_s=end - start,
+                                    upload_tail_s=end - spool_end, bytes_kept_local=total)
+        logger.info("rank %d wrote %d bytes in %d files to the local tier for a local-only "
+                    "save of %s: %.2fs", self._rank, total, len(spools),
+                    redact_url(self._url), end - start)
+        return results
+
+    def complete_local_only(self, commit: _tier.LocalCommit | None) -> bool:
+        """Finish this rank's part of a local-only save: the coordinator's ``.metadata``
+        and manifest bytes (``commit``, the same on every rank), then the descriptor.
+        Returns whether this rank's copy is complete (a failure is a WARNING)."""
+        tier, self._local_pending = self._local_pending, None
+        if tier is None or commit is None:
+            if tier is not None:
+                tier.abandon()
+            return False
+        try:
+            world = Manifest.from_json(commit.manifest, where="local-only manifest").world_size
+        except errors.DCPVolumesError:
+            tier.abandon()
+            return False
+        tier.complete(commit, world)
+        return tier.ok
+
     def _keep_local(self, options: LocalTierOptions, spools: list[SpoolFile],
                     prefix: _SavePrefix) -> int:
         """Move this rank's uploaded spool files into the local tier; the bytes kept. Never
@@ -437,7 +524,6 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._save_id is None:
             raise errors.DCPVolumesError("finish() called without prepare_global_plan()")
-        backend = self._backend()
         save_id = self._save_id
         start = time.monotonic()
         with paused_gc():  # a million items: see paused_gc
@@ -446,6 +532,11 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                      for rank_results in results for wr in rank_results}
             set_save_id(metadata, save_id, self._url)
             metadata_bytes = pickle.dumps(metadata)
+        if self._local_only:
+            # completed on every rank by the Checkpointer, which broadcasts these bytes
+            self._local_commit = _tier.LocalCommit(save_id, metadata_bytes, manifest.to_json())
+            return
+        backend = self._backend()
         stats = CallStats()
         try:
             try:
@@ -468,6 +559,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                                               retries=prev.retries + stats.retries)
         logger.info("committed %s (save %s, %d files) in %.2fs", redact_url(self._url),
                     save_id, len(manifest.files), commit_s)
+
+
+def _no_upload(part: Any) -> None:
+    """A local-only save's spool files are not uploaded: their parts go nowhere."""
 
 
 def check_local_tier(local_tier: object, spool: SpoolOptions) -> LocalTierOptions | None:

@@ -10,8 +10,11 @@ It runs inside DCP's own load, through the reader's hooks (no planner of ours):
    large tensor's block-checked data is cut at block boundaries, at most one unit long), the
    pieces into *bundles* (one fetch, one message per consumer), the bundles into *rounds* of
    about ``round_bytes``, and each bundle gets one owner among its consumers, balanced by bytes
-   per round (per host first, then per rank). DCP scatters one :class:`Assignment` per rank
-   back in the plans' ``storage_data``.
+   per round (per host first, then per rank). A bundle whose file some rank holds in its
+   local tier (``LocalInfo.local_files``) goes to one of those ranks (balanced the same way),
+   which reads it from local disk instead of the store and serves it to the others; such a
+   rank need not need the bytes itself. DCP scatters one :class:`Assignment` per rank back
+   in the plans' ``storage_data``.
 3. ``read_data``: :class:`CooperativeRead` runs the rounds. In each, owners fetch and check
    their bundles; every rank then reports a status (one small all-reduce), so a failed fetch
    or checksum raises a typed error on every rank before any byte is exchanged; then owners
@@ -21,7 +24,9 @@ It runs inside DCP's own load, through the reader's hooks (no planner of ours):
    per rank stays about two rounds.
 
 Peers are other ranks of the same job: bytes received from them are not checked again (their
-owner checked them); bytes from the store always are, on the rank that fetched them.
+owner checked them); bytes from the store or from a local tier always are, on the rank that
+read them. A local copy that fails its check is fetched from the store by its owner instead
+(or, where there is no store copy — a local-only save — fails the load on every rank).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from dcp_volumes import errors
+from dcp_volumes import _tier, errors
+from dcp_volumes._manifest import ItemEntry
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
 from dcp_volumes.transfer.readplan import (
@@ -74,8 +80,8 @@ class LocalInfo:
     world: int  # size of the default group
     host: str
     cpu_group: bool  # the default group carries CPU tensors (gloo)
-    #: shard files this rank reads from its local tier: the reader leaves them out of the
-    #: needs it plans with (see ``VolumeReader(local_tier=)``)
+    #: shard files this rank holds in its local tier (see ``VolumeReader(local_tier=)``): it
+    #: reads what it needs of them from there, and serves them to ranks that need them
     local_files: frozenset[str] = frozenset()
 
 
@@ -91,19 +97,22 @@ def local_info(local_files: frozenset[str] = frozenset()) -> LocalInfo | None:
 @dataclass(frozen=True)
 class Piece:
     """Bytes ``[start, end)`` of the stored item at ``item_offset``; ``first_block``: the
-    item's checksum block it starts at (None: the whole item, or an item with no checksum)."""
+    item's checksum block it starts at (None: the whole item, or an item with no checksum).
+    ``item_length`` and ``entry`` let an owner that does not need the item check it."""
 
     start: int
     end: int
     item_offset: int
     first_block: int | None
+    item_length: int = 0
+    entry: ItemEntry | None = None
 
 
 @dataclass(frozen=True)
 class Bundle:
     """Neighbouring pieces of one file with the same consumers: fetched by ``owner`` in one
     span and sent to each consumer as one message. ``consumers`` (the ranks to send to) is
-    filled in the owner's copy only."""
+    filled in the owner's copy only. ``local``: the owner reads it from its local tier."""
 
     bid: int
     round: int
@@ -113,6 +122,7 @@ class Bundle:
     owner: int
     pieces: tuple[Piece, ...]
     consumers: tuple[int, ...] = ()
+    local: bool = False
 
     @property
     def size(self) -> int:
@@ -140,6 +150,8 @@ class _Piece:
     first_block: int | None
     consumers: tuple[int, ...]
     single: bool  # the piece is the whole span every consumer needs of its item
+    item_length: int
+    entry: ItemEntry | None
 
 
 @dataclass
@@ -152,6 +164,7 @@ class Summary:
     direct_bytes: int  # what the ranks would fetch reading directly
     bundles: int
     rounds: int
+    local_bytes: int = 0  # read from a local tier by their owner
 
 
 def assign(needs_per_rank: list[list[Need]], infos: list[Any], *, unit_bytes: int,
@@ -182,18 +195,32 @@ def assign(needs_per_rank: list[list[Need]], infos: list[Any], *, unit_bytes: in
         for group in (whole, part):
             if group:
                 pieces.extend(_pieces_of(group, unit_bytes))
-    if not any(len(p.consumers) > 1 for p in pieces):
-        return None, "no stored byte range is needed by more than one rank"
+    held: dict[str, tuple[int, ...]] = {}
+    for r, info in enumerate(infos):
+        for relative in sorted(info.local_files):
+            held[relative] = (*held.get(relative, ()), r)
+    if not any(len(p.consumers) > 1 for p in pieces) and not any(
+            p.relative in held and not set(p.consumers) <= set(held[p.relative])
+            for p in pieces):
+        return None, ("no stored byte range is needed by more than one rank, and no rank "
+                      "needs a file only another rank holds locally")
     bundles = _bundle(pieces, unit_bytes=unit_bytes, gap=gap)
     rounds = _rounds(bundles, round_bytes)
-    owners = _owners(bundles, rounds, [i.host for i in infos], n)
+    owners = _owners(bundles, rounds, [i.host for i in infos], n, held)
     per_rank: list[list[Bundle]] = [[] for _ in range(n)]
+    local_bytes = 0
     for bid, (group_, rnd, owner) in enumerate(zip(bundles, rounds, owners)):
         consumers = group_[0].consumers
+        local = owner in held.get(group_[0].relative, ())
+        local_bytes += (group_[-1].end - group_[0].start) if local else 0
         kw: dict[str, Any] = {
             "bid": bid, "round": rnd, "relative": group_[0].relative, "start": group_[0].start,
-            "end": group_[-1].end, "owner": owner,
-            "pieces": tuple(Piece(p.start, p.end, p.item_offset, p.first_block) for p in group_),
+            "end": group_[-1].end, "owner": owner, "local": local,
+            # an owner that does not need the bytes checks them with what the piece carries
+            "pieces": tuple(Piece(p.start, p.end, p.item_offset, p.first_block,
+                                  *((p.item_length, p.entry) if owner not in consumers
+                                    else (0, None)))
+                            for p in group_),
         }
         per_rank[owner].append(Bundle(**kw, consumers=tuple(c for c in consumers if c != owner)))
         received = Bundle(**kw)
@@ -213,7 +240,7 @@ def assign(needs_per_rank: list[list[Need]], infos: list[Any], *, unit_bytes: in
         ranks=n, unique_bytes=sum(sizes),
         shared_bytes=sum(s for s, p in zip(sizes, pieces) if len(p.consumers) > 1),
         direct_bytes=sum(nd.end - nd.start for needs in needs_per_rank for nd in needs),
-        bundles=len(bundles), rounds=nrounds)
+        bundles=len(bundles), rounds=nrounds, local_bytes=local_bytes)
     return out, summary
 
 
@@ -230,7 +257,8 @@ def _pieces_of(holders: list[tuple[int, Need]], unit_bytes: int) -> list[_Piece]
         consumers = tuple(sorted(r for r, _ in covering))
         for s, e, block in _split(ref, a, b, unit_bytes):
             single = all(nd.start == s and nd.end == e for _, nd in covering)
-            out.append(_Piece(ref.relative, s, e, ref.item_offset, block, consumers, single))
+            out.append(_Piece(ref.relative, s, e, ref.item_offset, block, consumers, single,
+                              ref.item_length, ref.entry))
     return out
 
 
@@ -285,11 +313,17 @@ def _rounds(bundles: list[list[_Piece]], round_bytes: int) -> list[int]:
     return out
 
 
-def _owners(bundles: list[list[_Piece]], rounds: list[int], hosts: list[str], n: int
-            ) -> list[int]:
-    """An owner per bundle among its consumers: a bundle only one rank needs is its own;
-    shared ones go, largest first, to the consumer whose host and then whose rank has the
-    fewest bytes to fetch in that round (then overall)."""
+def _owners(bundles: list[list[_Piece]], rounds: list[int], hosts: list[str], n: int,
+            holders: dict[str, tuple[int, ...]] | None = None) -> list[int]:
+    """An owner per bundle. A bundle whose file some ranks hold locally goes to one of them
+    (the one consumer that needs it alone, when it holds it); otherwise to a consumer: a
+    bundle only one rank needs is its own. The rest go, largest first, to the candidate whose
+    host and then whose rank has the fewest bytes to read in that round (then overall)."""
+    holders = holders or {}
+
+    def candidates(i: int) -> tuple[int, ...]:
+        return holders.get(bundles[i][0].relative) or bundles[i][0].consumers
+
     owners = [0] * len(bundles)
     total = [0] * n
     by_round: dict[int, list[int]] = defaultdict(list)
@@ -302,15 +336,15 @@ def _owners(bundles: list[list[_Piece]], rounds: list[int], hosts: list[str], n:
         def size(i: int) -> int:
             return bundles[i][-1].end - bundles[i][0].start
 
-        for i in ids:
-            if len(bundles[i][0].consumers) == 1:
-                c = bundles[i][0].consumers[0]
-                owners[i] = c
-                mine[c] += size(i)
-                host[hosts[c]] += size(i)
-        for i in sorted((i for i in ids if len(bundles[i][0].consumers) > 1),
-                        key=lambda i: (-size(i), i)):
-            c = min(bundles[i][0].consumers,
+        alone = {i for i in ids if len(bundles[i][0].consumers) == 1
+                 and bundles[i][0].consumers[0] in candidates(i)}
+        for i in sorted(alone):
+            c = bundles[i][0].consumers[0]
+            owners[i] = c
+            mine[c] += size(i)
+            host[hosts[c]] += size(i)
+        for i in sorted((i for i in ids if i not in alone), key=lambda i: (-size(i), i)):
+            c = min(candidates(i),
                     key=lambda c: (host[hosts[c]], mine[c], total[c], (c - i) % n))
             owners[i] = c
             mine[c] += size(i)
@@ -341,6 +375,8 @@ class ExchangeFigures:
     bytes_fetched: int = 0
     bytes_from_peers: int = 0
     bytes_to_peers: int = 0
+    bytes_from_local: int = 0  # read from this rank's local tier (for itself or peers)
+    local_fallbacks: int = 0  # pieces whose local copy failed and came from the store
     ranges: int = 0
     rounds: int = 0
     wait_s: float = 0.0  # waiting on other ranks (status) and on the exchange
@@ -396,11 +432,17 @@ class CooperativeRead:
         max_concurrency, part_size, max_range_size: as in ``TransferOptions``.
         timeout_s: the longest this rank waits for the other ranks at one step (a status
             report, or one round's exchange) before it raises ``DownloadError``.
+        local_files: the shard files this rank holds in its local tier (its bundles marked
+            ``local`` are read from there).
+        store: whether the store holds the save (False for a local-only save: a local copy
+            that fails its check then fails the load instead of being fetched).
     """
 
     def __init__(self, assignment: Assignment, *, url: str, planner: LoadPlanner,
                  trusted: tuple[Any, ...], max_concurrency: int, part_size: int,
-                 max_range_size: int, timeout_s: float) -> None:
+                 max_range_size: int, timeout_s: float,
+                 local_files: dict[str, _tier.LocalFile] | None = None,
+                 store: bool = True) -> None:
         self.a = assignment
         self.url = url
         self.planner = planner
@@ -409,6 +451,8 @@ class CooperativeRead:
         self.part_size = part_size
         self.max_range_size = max_range_size
         self.timeout_s = timeout_s
+        self.local_files = local_files or {}
+        self.store = store
         self.me = assignment.rank
         self.fig = ExchangeFigures(rounds=assignment.rounds)
         self.group: Any = None
@@ -422,6 +466,7 @@ class CooperativeRead:
         self.theirs: dict[int, list[Bundle]] = defaultdict(list)
         self.round_needs: dict[int, list[Need]] = defaultdict(list)
         self.ranges: dict[int, list[RangeRequest]] = {}
+        self.local_owned: dict[int, list[Bundle]] = defaultdict(list)
 
     # ---- the whole load ---------------------------------------------------------------
     def run(self, setup: Callable[[], tuple[Backend, list[Need]]]) -> ExchangeFigures | None:
@@ -500,10 +545,25 @@ class CooperativeRead:
                             "cooperative load (a planner's finish_plan?)")
         self.need_of = {(nd.relative, nd.item_offset): nd for nd in self.needs}
         for b in a.bundles:
-            (self.owned if b.owner == self.me else self.theirs)[b.round].append(b)
+            if b.owner != self.me:
+                self.theirs[b.round].append(b)
+            elif b.local:
+                if b.relative not in self.local_files:
+                    raise _Mismatch(f"bundle {b.bid} is planned from a local copy of "
+                                    f"{b.relative} this rank does not hold")
+                self.local_owned[b.round].append(b)
+            else:
+                if not self.store:
+                    raise errors.IntegrityError(
+                        f"no rank holds a usable local copy of shard {b.relative} of the "
+                        f"local-only save of {self.url}, and the store has none: it cannot "
+                        "be loaded; load the newest durable checkpoint instead")
+                self.owned[b.round].append(b)
             for p in b.pieces:
                 key = (b.relative, p.item_offset)
                 if key not in self.need_of:
+                    if b.owner == self.me:
+                        continue  # served to the others from this rank's local tier
                     raise _Mismatch(f"bundle {b.bid} serves an item this rank does not need")
                 self.parts.setdefault(key, []).append((p, b))
         rounds_of: dict[tuple[str, int], set[int]] = {}
@@ -559,9 +619,54 @@ class CooperativeRead:
                 st.received[b.bid] = memoryview(buf)
                 st.recv_into[b.bid] = _tensor(buf)
 
+    def _check_bundle(self, b: Bundle, bview: memoryview) -> None:
+        for p in b.pieces:
+            need = self.need_of.get((b.relative, p.item_offset))
+            if need is not None:
+                span = Need(b.relative, p.start, p.end, need.item_offset, need.item_length,
+                            need.reads, need.entry, p.first_block)
+            else:  # an item this rank serves without needing it
+                span = Need(b.relative, p.start, p.end, p.item_offset, p.item_length, [],
+                            p.entry, p.first_block)
+            check_need(span, bview[p.start - b.start:p.end - b.start], self.url)
+
+    def _read_local(self, rnd: int, st: _Round) -> list[Bundle]:
+        """Read and check this rank's local bundles of round ``rnd``; those whose local copy
+        cannot be used are returned (for the store)."""
+        failed: list[Bundle] = []
+        for b in self.local_owned.get(rnd, []):
+            if self._stop.is_set():
+                return []
+            local = self.local_files[b.relative]
+            try:
+                bview = memoryview(_tier.read_span(local, b.start, b.end))
+                self._check_bundle(b, bview)
+            except (OSError, errors.IntegrityError) as exc:
+                if not self.store:
+                    raise errors.IntegrityError(
+                        f"rank {self.me}: the local copy of shard {b.relative} of the "
+                        f"local-only save of {self.url} cannot be used ({exc}), and the store "
+                        "has no copy: load the newest durable checkpoint instead") from exc
+                logger.warning("rank %d: local copy of shard %s of %s is not used (%s); "
+                               "fetching bytes %d..%d from the store", self.me, b.relative,
+                               self.url, exc, b.start, b.end)
+                self.fig.local_fallbacks += len(b.pieces)
+                failed.append(b)
+                continue
+            self.fig.bytes_from_local += len(bview)
+            st.data[b.bid] = bview
+        return failed
+
     def _fetch(self, rnd: int, st: _Round) -> None:
-        """Fetch and check this rank's bundles of round ``rnd``."""
+        """Read (local tier) or fetch (store) and check this rank's bundles of round
+        ``rnd``."""
         ranges = self.ranges.get(rnd, [])
+        failed = self._read_local(rnd, st)
+        if failed:
+            extra = plan_ranges(failed, gap=0,
+                                max_size=min(self.part_size, self.max_range_size))
+            check_extents(self.backend, extra, self._missing, self._short)
+            ranges = ranges + extra
         self.fig.ranges += len(ranges)
         for rng, payload in fetch_ranges(self.backend, ranges,
                                          max_concurrency=self.max_concurrency,
@@ -573,11 +678,7 @@ class CooperativeRead:
             view = memoryview(payload)
             for b in rng.items:
                 bview = view[b.start - rng.start:b.end - rng.start]
-                for p in b.pieces:
-                    need = self.need_of[(b.relative, p.item_offset)]
-                    span = Need(b.relative, p.start, p.end, need.item_offset, need.item_length,
-                                need.reads, need.entry, p.first_block)
-                    check_need(span, bview[p.start - b.start:p.end - b.start], self.url)
+                self._check_bundle(b, bview)
                 st.data[b.bid] = bview
 
     def _exchange(self, rnd: int, st: _Round) -> None:
@@ -595,7 +696,7 @@ class CooperativeRead:
                 works.append((dist.irecv(st.recv_into[b.bid], src=b.owner, group=self.group,
                                          tag=b.bid), what))
                 self.fig.bytes_from_peers += b.size
-            for b in self.owned.get(rnd, []):
+            for b in [*self.owned.get(rnd, []), *self.local_owned.get(rnd, [])]:
                 if not b.consumers or b.size == 0:
                     continue
                 t = _tensor(st.data[b.bid])

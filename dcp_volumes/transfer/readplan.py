@@ -158,7 +158,8 @@ def plan_ranges(needs: Sequence[Span], *, gap: int, max_size: int) -> list[Range
 
 def check_need(need: Need, chunk: memoryview, url: str) -> None:
     """Length and CRC32C of the fetched bytes against the manifest (if there is one)."""
-    what = describe(need.reads[0])
+    what = (describe(need.reads[0]) if need.reads
+            else f"the item at offset {need.item_offset}")
     if len(chunk) != need.end - need.start:
         raise errors.IntegrityError(
             f"shard {need.relative} of {url} is truncated: {what} needs bytes "

@@ -1,0 +1,141 @@
+"""Owners that serve local copies (the cooperative plan), local-only saves on one process
+(no server: a local-directory root), and the checks of ``save(..., local_only=)``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, errors
+from dcp_volumes.transfer.cooperative import LocalInfo, assign
+from dcp_volumes.transfer.readplan import Need
+
+MiB = 1 << 20
+
+
+def _need(relative: str, offset: int, length: int) -> Need:
+    return Need(relative, offset, offset + length, offset, length, needed=length)
+
+
+def _infos(*local: set[str], hosts: tuple[str, ...] | None = None) -> list[LocalInfo]:
+    n = len(local)
+    return [LocalInfo(r, n, (hosts or tuple(f"h{i}" for i in range(n)))[r], True,
+                      frozenset(files)) for r, files in enumerate(local)]
+
+
+def _owned(assignments: Any) -> dict[tuple[str, int], tuple[int, bool]]:
+    out = {}
+    for a in assignments:
+        for b in a.bundles:
+            if b.owner == a.rank:
+                out[(b.relative, b.start)] = (b.owner, b.local)
+    return out
+
+
+def test_a_holder_serves_what_another_rank_needs() -> None:
+    # rank 1 holds a.distcp (and needs none of it: it reads what it needs itself);
+    # rank 0 needs an item of it: rank 1 reads it from local disk and sends it
+    needs: list[list[Need]] = [[_need("a.distcp", 0, 100)], []]
+    assigned, summary = assign(needs, _infos(set(), {"a.distcp"}), unit_bytes=MiB, gap=0)
+    assert assigned is not None and not isinstance(summary, str)
+    assert _owned(assigned) == {("a.distcp", 0): (1, True)}
+    (b,) = assigned[1].bundles
+    assert b.consumers == (0,) and b.pieces[0].item_length == 100
+    assert summary.local_bytes == 100
+
+
+def test_holders_share_the_serving_and_the_store_is_the_last_resort() -> None:
+    needs: list[list[Need]] = [[_need("a.distcp", 0, 100), _need("a.distcp", 300, 100),
+                                _need("b.distcp", 0, 50)], [], []]
+    assigned, _ = assign(needs, _infos(set(), {"a.distcp"}, {"a.distcp"}), unit_bytes=MiB,
+                         gap=0)
+    assert assigned is not None
+    owned = _owned(assigned)
+    # two items of a.distcp, balanced over its two holders; b.distcp nobody holds: its
+    # only consumer fetches it from the store
+    assert sorted(o for o, _ in (owned[("a.distcp", 0)], owned[("a.distcp", 300)])) == [1, 2]
+    assert owned[("a.distcp", 0)][1] and owned[("a.distcp", 300)][1]
+    assert owned[("b.distcp", 0)] == (0, False)
+
+
+def test_nothing_held_and_nothing_shared_reads_directly() -> None:
+    needs = [[_need("a.distcp", 0, 100)], [_need("b.distcp", 0, 100)]]
+    assigned, why = assign(needs, _infos(set(), set()), unit_bytes=MiB, gap=0)
+    assert assigned is None and "locally" in str(why)
+
+
+def _ckpt(tmp: Path, **kw: Any) -> Checkpointer:
+    kw.setdefault("local_tier", LocalTierOptions(directory=str(tmp / "tier"), keep_last=2))
+    return Checkpointer(str(tmp / "run"), spool=SpoolOptions(directory=str(tmp / "spool")),
+                        **kw)
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 1000, generator=g), "b": torch.randn(10, generator=g),
+            "extra": {"step": step}}
+
+
+def test_local_only_needs_a_local_tier(tmp_path: Path) -> None:
+    ckpt = _ckpt(tmp_path, local_tier=None)
+    with pytest.raises(errors.ConfigError, match="local_tier="):
+        ckpt.save(1, _state(1), local_only=True)
+    with pytest.raises(errors.ConfigError, match="local_only="):
+        _ckpt(tmp_path).save(1, _state(1), local_only="yes")  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+
+
+def test_local_only_saves_on_one_process(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2), local_only=True)
+        ckpt.save(3, _state(3), local_only=True)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-00000001"]  # nothing else stored
+    # keep_last=2 counts the local-only saves: step 1's local copy is gone
+    assert len(list((tmp_path / "tier").glob("*/*/.dcpv-tier-0.json"))) == 2
+    state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0}) for k, v in
+             _state(0).items()}
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.load_latest(state) == 3
+        stats = ckpt.last_load_stats
+    assert stats is not None and stats.bytes_fetched == 0 and stats.bytes_from_local > 0
+    want = _state(3)
+    assert torch.equal(state["w"], want["w"]) and state["extra"] == {"step": 3}
+
+
+def test_a_lost_local_only_save_falls_back_to_the_durable_one(tmp_path: Path) -> None:
+    with _ckpt(tmp_path) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2), local_only=True)
+    for desc in (tmp_path / "tier").glob("*/*/.dcpv-tier-0.json"):
+        if '"local_only"' in desc.read_text():
+            desc.unlink()  # the descriptor is written last: as if the save never finished
+    state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0}) for k, v in
+             _state(0).items()}
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.load_latest(state) == 1
+    assert torch.equal(state["w"], _state(1)["w"])
+
+
+def test_async_local_only_save(tmp_path: Path) -> None:
+    with _ckpt(tmp_path, async_save=True) as ckpt:
+        ckpt.save(1, _state(1), local_only=True)
+        ckpt.save(2, _state(2), local_only=True)
+    assert not (tmp_path / "run").exists()
+    state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0})
+             for k, v in _state(0).items()}
+    with _ckpt(tmp_path) as ckpt:
+        assert ckpt.load_latest(state) == 2
+    assert torch.equal(state["w"], _state(2)["w"]) and state["extra"] == {"step": 2}
+
+
+def test_a_tier_too_small_fails_the_local_only_save(tmp_path: Path) -> None:
+    tier = LocalTierOptions(directory=str(tmp_path / "tier"), max_bytes=1000)
+    with _ckpt(tmp_path, local_tier=tier) as ckpt, \
+            pytest.raises(errors.SpoolError, match="max_bytes"):
+        ckpt.save(1, _state(1), local_only=True)
+    assert not list((tmp_path / "tier").glob("*/*/*.distcp"))
