@@ -18,6 +18,7 @@ from dcp_volumes._version import __version__
 
 if TYPE_CHECKING:
     from dcp_volumes._api import load, save
+    from dcp_volumes._staging import release_staging_buffers
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.reader import VolumeReader
@@ -36,6 +37,7 @@ __all__ = [
     "VolumeWriter",
     "__version__",
     "load",
+    "release_staging_buffers",
     "save",
 ]
 
@@ -52,6 +54,7 @@ _LAZY: dict[str, str] = {
     "LoadStats": "dcp_volumes.stats",
     "save": "dcp_volumes._api",
     "load": "dcp_volumes._api",
+    "release_staging_buffers": "dcp_volumes._staging",
 }
 
 

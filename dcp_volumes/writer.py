@@ -182,7 +182,9 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
 
     With ``dcp.async_save`` the writer is also the stager: it copies the state dict into CPU
     buffers allocated on the first save and reused by later ones (never while a save that
-    reads them is still running), so the training loop blocks only for a memory copy.
+    reads them is still running), so the training loop blocks only for a memory copy. The
+    buffers belong to the process, keyed by the state's layout: a fresh writer per step
+    reuses them too (:func:`dcp_volumes.release_staging_buffers` frees them).
     """
 
     # Staging is a blocking copy: nothing to synchronize after async_save returns.
@@ -224,7 +226,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
     # ---- pickling (AsyncCheckpointerType.PROCESS): config only -------------------------
     def __getstate__(self) -> dict[str, Any]:
         # Being pickled means a save runs in another process that reads our staged buffers
-        # where we cannot see it finish: stop reusing them (see _staging).
+        # where we cannot see it finish: drop them, never reuse (see _staging).
         self._staging.disable_reuse()
         state = super().__getstate__()
         state["_staging"] = None
@@ -243,7 +245,11 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         """Nothing to wait for: :meth:`stage` returns after the copy is complete."""
 
     def close(self) -> None:
-        """Free the staging buffers."""
+        """Free the staging buffers this writer staged into last (once no save reads them).
+
+        The buffers belong to the process and outlive the writer, so that a fresh writer per
+        step reuses them; :func:`dcp_volumes.release_staging_buffers` frees all of them.
+        """
         self._staging.close()
 
     def __repr__(self) -> str:
@@ -391,7 +397,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         finally:
             for sf in spools:
                 sf.discard()
-            self._staging.release_oldest()
+            self._staging.finished_reading(items, planner)
         end = time.monotonic()
         self.last_stats = SaveStats(
             rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),
@@ -452,7 +458,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         finally:
             for sf in spools:
                 sf.discard()
-            self._staging.release_oldest()
+            self._staging.finished_reading(items, planner)
         self._local_pending = tier
         end = time.monotonic()
         self.last_stats = SaveStats(rank=self._rank, bytes=total, files=len(spools),

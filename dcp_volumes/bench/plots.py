@@ -68,7 +68,8 @@ def _async_blocking(plt: Any, asyncs: dict[Any, list[Record]], path: Path) -> Pa
     direct = asyncs[shown]
     for label, fn in (("copy into prealloc\n(floor)", lambda x: x["copy_prealloc_s"]),
                       ("fresh clone\n(floor)", lambda x: x["copy_clone_s"]),
-                      ("VolumeWriter\nasync_save #2", lambda x: x["async_block_s"]),
+                      ("VolumeWriter kept\nasync_save #2+", lambda x: x["async_block_s"]),
+                      ("fresh VolumeWriter\nper step, #2+", lambda x: x.get("async_fresh_block_s")),
                       ("VolumeWriter\nasync_save #1", lambda x: x["async_first_block_s"]),
                       ("torch DefaultStager\n(FsspecWriter)",
                        lambda x: x.get("torch_stager_block_s"))):
@@ -78,7 +79,8 @@ def _async_blocking(plt: Any, asyncs: dict[Any, list[Record]], path: Path) -> Pa
             vals.append(s.med * 1e3)
             errs.append((s.med * 1e3 - s.lo * 1e3, s.hi * 1e3 - s.med * 1e3))
     ax.bar(range(len(vals)), vals, yerr=list(zip(*errs)) if errs else None, capsize=3,
-           color=["tab:gray", "tab:gray", "tab:green", "tab:olive", "tab:red"][:len(vals)])
+           color=["tab:gray", "tab:gray", "tab:green", "tab:green", "tab:olive",
+                  "tab:red"][:len(vals)])
     ax.set_xticks(range(len(vals)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("ms until control returns")

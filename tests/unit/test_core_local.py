@@ -259,33 +259,6 @@ def test_bytes_io_items_round_trip(url: str) -> None:
     assert out["blob"].getvalue() == payload["blob"].getvalue()
 
 
-def test_staging_reuses_buffers_only_after_release() -> None:
-    writer = VolumeWriter("memory://dcpv-tests/staging")
-    state = {"a": torch.arange(10.0), "n": {"b": torch.ones(3, 4)}, "step": 1}
-    first = writer.stage(state)
-    assert torch.equal(first["a"], state["a"]) and first["a"].data_ptr() != state["a"].data_ptr()
-    state["a"].add_(100)
-    second = writer.stage(state)  # first is still busy: must not be overwritten
-    assert writer._staging.allocations == 2
-    assert torch.equal(first["a"], torch.arange(10.0))
-    assert torch.equal(second["a"], torch.arange(10.0) + 100)
-    writer._staging.release_oldest()
-    writer._staging.release_oldest()
-    third = writer.stage(state)
-    assert writer._staging.allocations == 2  # reused a released set
-    assert third["a"].data_ptr() in (first["a"].data_ptr(), second["a"].data_ptr())
-
-
-def test_pickling_writer_disables_staging_reuse() -> None:
-    writer = VolumeWriter("memory://dcpv-tests/staging2")
-    state = {"a": torch.arange(10.0)}
-    writer.stage(state)
-    pickle.dumps(writer)  # what AsyncCheckpointerType.PROCESS does
-    writer._staging.release_oldest()
-    writer.stage(state)
-    assert writer._staging.allocations == 2
-
-
 def test_sync_save_after_async_stage_uses_staged_values(url: str) -> None:
     writer = VolumeWriter(url, transfer=SMALL_PARTS)
     state = {"a": torch.arange(1000.0)}
