@@ -5,7 +5,11 @@ CRC32C per item as bytes pass through and hands out *parts* (``part_size`` bytes
 uploader as soon as they are complete, so a file uploads while it is still being written.
 
 - ``disk`` mode appends to a file in the spool directory and never waits for the network;
-  the uploader reads each part back with ``pread``.
+  the uploader reads each part back with ``pread``. With ``direct=True`` the file is written
+  and read with ``O_DIRECT`` through page-aligned buffers, bypassing the page cache: a
+  spool file is read once and deleted, so caching it only costs CPU (about 2 CPU-s per GiB
+  written and read back through ext4's cache on a small VM, against 0.3 direct). Where the
+  filesystem refuses ``O_DIRECT`` (tmpfs), the file is written through the cache as before.
 - ``memory`` mode fills part-sized buffers; a semaphore shared with the uploader caps the
   buffers alive at once, so serialization waits for uploads instead of growing RAM.
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -33,6 +38,12 @@ from dcp_volumes.errors import SpoolError
 __all__ = ["DataLayout", "Part", "SpoolFile", "check_free_space"]
 
 logger = logging.getLogger(__name__)
+
+#: alignment of O_DIRECT offsets, lengths and buffer addresses (the largest logical block
+#: size in use; mmap'd buffers are page-aligned)
+_ALIGN = 4096
+#: bytes gathered before each O_DIRECT write
+_DIRECT_BUFFER = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,7 @@ class SpoolFile:
         emit: Callable[[Part], None],
         buffer_slots: threading.Semaphore | None = None,
         should_stop: Callable[[], None] | None = None,
+        direct: bool = False,
     ) -> None:
         self.name = name
         self.mode = mode
@@ -174,6 +186,13 @@ class SpoolFile:
         self._buf: bytearray | None = None
         self._buf_len = 0
         self._buf_release: Callable[[], None] | None = None
+        # O_DIRECT: bytes gather in an aligned buffer; only what was written out (flushed)
+        # may be handed out as parts. Without it every written byte is in the file.
+        self._direct: mmap.mmap | None = None
+        self._direct_len = 0
+        self._flushed = 0
+        self._read_fd = -1  # O_DIRECT reads of aligned parts
+        self._cached_fd = -1  # cached reads of parts at unaligned offsets
         if mode == "disk":
             os.makedirs(directory, exist_ok=True)
             self.path = os.path.join(directory, spool_file_name(name))
@@ -184,6 +203,28 @@ class SpoolFile:
                     f"cannot create spool file in {directory!r} ({exc.strerror}): set "
                     "SpoolOptions(directory=...) to a writable local directory"
                 ) from exc
+            if direct:
+                self._open_direct()
+
+    def _open_direct(self) -> None:
+        """Switch to O_DIRECT where the filesystem takes it (not tmpfs); else stay cached."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return
+        assert self.path is not None
+        try:
+            wfd = os.open(self.path, os.O_WRONLY | flag)
+        except OSError:
+            return
+        try:
+            rfd = os.open(self.path, os.O_RDONLY | flag)
+        except OSError:
+            os.close(wfd)
+            return
+        os.close(self._fd)
+        self._fd, self._read_fd = wfd, rfd
+        self._cached_fd = os.open(self.path, os.O_RDONLY)
+        self._direct = mmap.mmap(-1, _DIRECT_BUFFER)
 
     # ---- file-like API used by torch.save -----------------------------------------------
     def writable(self) -> bool:
@@ -263,6 +304,25 @@ class SpoolFile:
 
     # ---- parts ---------------------------------------------------------------------------
     def _write_disk(self, mv: memoryview) -> None:
+        end = self._pos + len(mv)
+        if self._direct is None:
+            self._write_all(mv)
+            self._flushed = end
+        else:
+            i = 0
+            while i < len(mv):
+                take = min(len(mv) - i, _DIRECT_BUFFER - self._direct_len)
+                self._direct[self._direct_len:self._direct_len + take] = mv[i:i + take]
+                self._direct_len += take
+                i += take
+                if self._direct_len == _DIRECT_BUFFER:
+                    self._flush_direct()
+        # A part goes out once its bytes are in the file and at least one more byte follows.
+        while (end - self._emitted > self.part_size
+               and self._flushed - self._emitted >= self.part_size):
+            self._hand_out(self.part_size, final=False)
+
+    def _write_all(self, mv: memoryview) -> None:
         written = 0
         while written < len(mv):
             try:
@@ -272,9 +332,19 @@ class SpoolFile:
                     f"writing spool file {self.path!r} failed ({exc.strerror}): free space or "
                     "point SpoolOptions(directory=...) elsewhere"
                 ) from exc
-        end = self._pos + len(mv)
-        while end - self._emitted > self.part_size:
-            self._hand_out(self.part_size, final=False)
+
+    def _flush_direct(self) -> None:
+        """Write the aligned buffer out (its tail padded to the alignment; :meth:`close`
+        truncates the padding off)."""
+        assert self._direct is not None
+        n = self._direct_len
+        padded = -(-n // _ALIGN) * _ALIGN
+        if padded > n:
+            self._direct[n:padded] = bytes(padded - n)
+        with memoryview(self._direct) as view:
+            self._write_all(view[:padded])
+        self._flushed += n
+        self._direct_len = 0
 
     def _write_memory(self, mv: memoryview) -> None:
         i = 0
@@ -318,15 +388,44 @@ class SpoolFile:
         """The bytes of ``part`` (called by the uploader, possibly again on retry)."""
         if part.buffer is not None:
             return part.buffer
-        data = os.pread(self._fd, part.length, part.offset)
+        if part.length == 0:
+            return b""
+        if self._read_fd >= 0 and part.offset % _ALIGN == 0:
+            data = self._read_direct(part)
+        else:
+            # Cached reads see what O_DIRECT wrote (the kernel keeps the two coherent).
+            data = os.pread(self._fd if self._cached_fd < 0 else self._cached_fd,
+                            part.length, part.offset)
         if len(data) != part.length:
             raise SpoolError(f"spool file {self.path!r} is shorter than expected")
         return data
+
+    def _read_direct(self, part: Part) -> bytes:
+        length = -(-part.length // _ALIGN) * _ALIGN
+        with mmap.mmap(-1, length) as buf:
+            done = 0
+            while done < part.length:
+                with memoryview(buf) as view:
+                    n = os.preadv(self._read_fd, [view[done:]], part.offset + done)
+                if n <= 0:
+                    break
+                done += n
+            return buf[:min(done, part.length)]
 
     def close(self) -> int:
         """Hand out the final part; returns the file's size."""
         if not self._closed:
             self._closed = True
+            if self._direct is not None:
+                if self._direct_len:
+                    self._flush_direct()
+                try:
+                    os.ftruncate(self._fd, self._pos)  # drop the last write's padding
+                except OSError as exc:
+                    raise SpoolError(
+                        f"truncating spool file {self.path!r} failed ({exc.strerror})") from exc
+                while self._pos - self._emitted > self.part_size:
+                    self._hand_out(self.part_size, final=False)
             remaining = self._pos - self._emitted
             if remaining > 0 or self._next_part == 1:
                 if self.mode == "memory" and self._buf is None:
@@ -344,9 +443,13 @@ class SpoolFile:
             self._buf_release()
             self._buf_release = None
         self._buf = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._read_fd, self._cached_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._read_fd = self._cached_fd = -1
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
         if self.path is not None:
             try:
                 os.unlink(self.path)

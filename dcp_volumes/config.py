@@ -41,12 +41,19 @@ class SpoolOptions:
             objects uploaded in parallel; each file is itself uploaded in parallel parts.
         free_space_margin: the spool must have ``margin × rank bytes`` free before a save starts.
     """
+        direct_io: write and read the spool files with ``O_DIRECT`` (``mode="disk"``),
+            bypassing the page cache, which for a file read once and deleted only costs CPU
+            (see docs/benchmarks.md, client CPU per GiB). ``None`` (default): on, unless a
+            :class:`LocalTierOptions` keeps the files (a restart then finds them in the page
+            cache). A filesystem that refuses ``O_DIRECT`` (tmpfs) is written through the
+            cache whatever this says.
 
     mode: Literal["disk", "memory"] = "disk"
     directory: str | None = None
     files_per_rank: int = 2
     free_space_margin: float = 1.1
 
+    direct_io: bool | None = None
     def __post_init__(self) -> None:
         if self.mode not in ("disk", "memory"):
             raise ConfigError(f"SpoolOptions.mode must be 'disk' or 'memory', got {self.mode!r}")
@@ -58,6 +65,10 @@ class SpoolOptions:
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
             raise ConfigError("SpoolOptions.directory must be a path string or None")
 
+        if self.direct_io not in (None, True, False):
+            raise ConfigError(
+                f"SpoolOptions.direct_io must be True, False or None (automatic), got "
+                f"{self.direct_io!r}")
     def resolved_directory(self) -> str:
         """The spool directory this process will use."""
         return os.fspath(self.directory or os.environ.get(SPOOL_DIR_ENV) or tempfile.gettempdir())

@@ -363,6 +363,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                             adaptive=transfer.adaptive_concurrency)
         slots = (threading.Semaphore(transfer.max_concurrency + 1)
                  if spool.mode == "memory" else None)
+        # Spool files read once and deleted skip the page cache; kept ones use it (a restart
+        # from the local tier then reads them from memory).
+        direct = (spool.direct_io if spool.direct_io is not None
+                  else self.local_tier is None)
         spools: list[SpoolFile] = []
         results: list[WriteResult] = []
         total = 0
@@ -378,7 +382,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                         functools.partial(SpoolFile, relative, mode=spool.mode,
                                           directory=directory, part_size=transfer.part_size,
                                           buffer_slots=slots,
-                                          should_stop=uploader.raise_if_failed),
+                                          should_stop=uploader.raise_if_failed,
+                                          direct=direct),
                         expected_size=sum(map(_item_nbytes, bucket)))
                     sf = upload.spool
                     spools.append(sf)

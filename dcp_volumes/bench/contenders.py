@@ -14,10 +14,12 @@ __all__ = ["last_stats", "make_reader", "make_writer", "parse_contender"]
 
 def parse_contender(name: str) -> dict[str, Any]:
     """``vol-disk`` → {family: vol, spool: disk, concurrency: None} (the defaults: adaptive);
-    ``vol-disk-c8`` → concurrency fixed at 8; ``fsspec-t1``; ``s3tc-t8``; ``local-fs``;
+    ``vol-disk-c8`` → concurrency fixed at 8; ``vol-cached``: the disk spool through the page
+    cache (``SpoolOptions(direct_io=False)``; ``vol-disk`` writes it with O_DIRECT); ``fsspec-t1``; ``s3tc-t8``; ``local-fs``;
     ``raw-obstore`` / ``raw-s3fs`` / ``raw-boto3``, optionally ``-cN`` requests in flight."""
     parts = name.split("-")
-    if parts[0] == "vol" and len(parts) in (2, 3) and parts[1] in ("disk", "memory"):
+    if parts[0] == "vol" and len(parts) in (2, 3) and parts[1] in ("disk", "memory",
+                                                                    "cached"):
         conc = _concurrency_suffix(parts[2]) if len(parts) == 3 else None
         return {"family": "vol", "spool": parts[1], "concurrency": conc}
     if parts[0] in ("fsspec", "s3tc") and len(parts) == 2 and parts[1].startswith("t"):
@@ -54,7 +56,9 @@ def make_writer(contender: str, url: str, spec: dict[str, Any]) -> Any:
 
         return VolumeWriter(
             url, storage_options=opts,
-            spool=SpoolOptions(mode=c["spool"], directory=spec.get("spool_dir")),
+            spool=SpoolOptions(mode="memory" if c["spool"] == "memory" else "disk",
+                               directory=spec.get("spool_dir"),
+                               direct_io=False if c["spool"] == "cached" else None),
             transfer=_vol_transfer(c, spec),
         )
     if c["family"] == "fsspec":

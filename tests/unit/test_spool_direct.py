@@ -1,0 +1,209 @@
+"""The disk spool with ``O_DIRECT`` (``SpoolOptions.direct_io``): the same bytes, parts and
+checksums as the cached spool, whatever the write sizes and part alignment; tmpfs (which
+refuses ``O_DIRECT``) falls back to cached writes; whole saves load bit-identical from a
+real store (local files, and SeaweedFS over S3)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import (
+    LocalTierOptions,
+    SpoolOptions,
+    TransferOptions,
+    VolumeReader,
+    VolumeWriter,
+)
+from dcp_volumes._spool import SpoolFile
+from dcp_volumes.errors import ConfigError
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+MiB = 1 << 20
+
+
+def _direct_supported(directory: Path) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = directory / f"probe-{uuid.uuid4().hex[:6]}"
+    path.touch()
+    try:
+        os.close(os.open(path, os.O_RDONLY | flag))
+        return True
+    except OSError:
+        return False
+    finally:
+        path.unlink()
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    if not _direct_supported(tmp_path):
+        pytest.skip("the test directory's filesystem refuses O_DIRECT")
+    return tmp_path
+
+
+def _spool(directory: Path, part_size: int, pieces: list[bytes], direct: bool
+           ) -> tuple[SpoolFile, list[Any], bytes]:
+    parts: list[Any] = []
+    sf = SpoolFile("x", mode="disk", directory=str(directory), part_size=part_size,
+                   emit=parts.append, direct=direct)
+    sf.begin_item()
+    for piece in pieces:
+        sf.write(piece)
+    sf.end_item()
+    sf.close()
+    return sf, parts, b"".join(pieces)
+
+
+@pytest.mark.parametrize("part_size", [5 * MiB, 5 * MiB + 3])
+@pytest.mark.parametrize("sizes", [
+    [77, 11 * MiB + 5, 5],  # header, a tensor's storage in one write, a tail
+    [4096] * 3000,  # many small aligned writes across the 8 MiB buffer
+    [1] * 10 + [17 * MiB] + [3] * 7,
+    [5 * MiB],  # exactly one part
+    [0],  # an empty file
+])
+def test_direct_spool_matches_the_cached_one(disk_dir: Path, sizes: list[int],
+                                             part_size: int) -> None:
+    pieces = [os.urandom(n) for n in sizes]
+    direct, dparts, whole = _spool(disk_dir / "d", part_size, pieces, True)
+    cached, cparts, _ = _spool(disk_dir / "c", part_size, pieces, False)
+    try:
+        assert direct._direct is not None  # it did use O_DIRECT
+        assert cached._direct is None
+        assert [(p.number, p.offset, p.length, p.final, p.crc) for p in dparts] == \
+            [(p.number, p.offset, p.length, p.final, p.crc) for p in cparts]
+        assert b"".join(bytes(direct.read(p)) for p in dparts) == whole
+        assert [p.crc for p in dparts] == [crc32c.crc32c(bytes(direct.read(p)))
+                                           for p in dparts]
+        assert direct.path is not None
+        assert os.path.getsize(direct.path) == len(whole)  # the padding is gone
+        with open(direct.path, "rb") as f:
+            assert f.read() == whole
+    finally:
+        direct.discard()
+        cached.discard()
+    assert direct.path is not None and not os.path.exists(direct.path)
+
+
+def test_a_part_goes_out_only_once_written(disk_dir: Path) -> None:
+    """Parts are handed out while the file is still being written, and each one handed out
+    is already readable in full."""
+    seen: list[bytes] = []
+    holder: dict[str, SpoolFile] = {}
+
+    def emit(part: Any) -> None:
+        seen.append(bytes(holder["sf"].read(part)))
+
+    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB, emit=emit,
+                   direct=True)
+    holder["sf"] = sf
+    pieces = [os.urandom(MiB) for _ in range(23)]
+    sf.begin_item()
+    for i, piece in enumerate(pieces):
+        sf.write(piece)
+        if i == 15:
+            assert len(seen) >= 1  # uploads start before the file is complete
+    sf.end_item()
+    sf.close()
+    try:
+        assert b"".join(seen) == b"".join(pieces)
+    finally:
+        sf.discard()
+
+
+def test_tmpfs_falls_back_to_cached_writes() -> None:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    directory = Path("/dev/shm") / f"dcpv-test-{uuid.uuid4().hex[:8]}"
+    sf, parts, whole = _spool(directory, 5 * MiB, [os.urandom(7 * MiB + 1)], True)
+    try:
+        if _direct_supported(directory):
+            pytest.skip("this tmpfs takes O_DIRECT")
+        assert sf._direct is None
+        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+    finally:
+        sf.discard()
+        os.rmdir(directory)
+
+
+def test_no_o_direct_on_the_platform_means_cached_writes(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
+    sf, parts, whole = _spool(tmp_path, 5 * MiB, [os.urandom(6 * MiB)], True)
+    try:
+        assert sf._direct is None
+        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+    finally:
+        sf.discard()
+
+
+def test_direct_io_must_be_a_bool_or_none() -> None:
+    with pytest.raises(ConfigError, match="direct_io must be True, False or None"):
+        SpoolOptions(direct_io="yes")  # type: ignore[arg-type]
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {"w": torch.randn(1500, 1024, generator=g), "b": torch.randn(333, generator=g),
+            "h": torch.randn(64, 64, generator=g).to(torch.bfloat16), "step": 11}
+
+
+def _roundtrip(url: str, options: dict[str, Any], spool: SpoolOptions,
+               tier: LocalTierOptions | None = None) -> VolumeWriter:
+    state = _state()
+    writer = VolumeWriter(url, storage_options=options, spool=spool, local_tier=tier,
+                          transfer=TransferOptions(part_size=5 * MiB, max_concurrency=4))
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    target = {"w": torch.zeros(1500, 1024), "b": torch.zeros(333),
+              "h": torch.zeros(64, 64, dtype=torch.bfloat16), "step": 0}
+    dcp.load(target, storage_reader=VolumeReader(url, storage_options=options), no_dist=True)
+    for key in ("w", "b", "h"):
+        assert torch.equal(target[key], state[key]), key
+    assert target["step"] == 11
+    return writer
+
+
+@pytest.mark.parametrize("direct_io", [True, False, None])
+def test_saves_load_bit_identical_from_local_files(disk_dir: Path, direct_io: bool | None
+                                                   ) -> None:
+    spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=direct_io)
+    _roundtrip(f"file://{disk_dir}/store/ck", {}, spool)
+    assert os.listdir(disk_dir / "spool") == []  # every spool file was removed
+
+
+@pytest.mark.parametrize("direct_io", [True, None])
+def test_a_spool_kept_by_the_local_tier_is_whole(disk_dir: Path, direct_io: bool | None
+                                                 ) -> None:
+    """The tier keeps the spool files themselves: written directly or not, every byte."""
+    spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=direct_io)
+    tier = LocalTierOptions(directory=str(disk_dir / "tier"))
+    writer = _roundtrip(f"file://{disk_dir}/store/ck", {}, spool, tier)
+    stats = writer.last_stats
+    assert stats is not None and stats.bytes > 5 * MiB
+    assert stats.bytes_kept_local == stats.bytes
+    target = {"w": torch.zeros(1500, 1024), "b": torch.zeros(333),
+              "h": torch.zeros(64, 64, dtype=torch.bfloat16), "step": 0}
+    reader = VolumeReader(f"file://{disk_dir}/store/ck", local_tier=tier)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert reader.last_stats is not None
+    assert reader.last_stats.bytes_from_local == reader.last_stats.bytes_needed
+    assert torch.equal(target["w"], _state()["w"])
+
+
+def test_saves_load_bit_identical_from_seaweedfs(seaweedfs: Any, disk_dir: Path) -> None:
+    store = seaweedfs.store()
+    spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=True)
+    _roundtrip(f"{store.root}/ck", store.storage_options, spool)
