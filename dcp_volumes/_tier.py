@@ -29,6 +29,7 @@ before it counts, and each byte read later is checked against that manifest's CR
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -40,16 +41,17 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import Manifest, load_metadata, volume_save_id
 from dcp_volumes.backends import redact_url
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.transfer.readplan import Need, check_need, describe, plan_ranges
+from dcp_volumes.transfer.readplan import DirectTarget, Need, check_need, describe, plan_ranges
 
-__all__ = ["LocalCommit", "LocalFile", "LocalOnlyCopy", "LocalRead", "TierSave",
-           "apply_retention", "find_local", "find_local_only", "read_local", "read_span",
-           "url_key"]
+__all__ = ["LocalCommit", "LocalFile", "LocalOnlyCopy", "LocalRead", "OwnCopy", "TierReplica",
+           "TierSave", "apply_retention", "find_local", "find_local_only", "own_copy",
+           "read_local", "read_span", "url_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +244,172 @@ def _scandir(directory: str) -> list[os.DirEntry[str]]:
         return []
 
 
+# ---- partner replicas ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OwnCopy:
+    """This rank's own files of one save in its tier (from its descriptor), as sent to its
+    partner: ``files`` are listed in the descriptor, ``extras`` (a local-only save's
+    ``.metadata`` and manifest) are not."""
+
+    url: str
+    save_key: str
+    rank: int
+    files: tuple[tuple[str, int], ...]
+    extras: tuple[tuple[str, int], ...] = ()
+    local_only: tuple[str, int, str] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.files + self.extras)
+
+
+def own_copy(options: LocalTierOptions, url: str, rank: int) -> OwnCopy | None:
+    """The newest copy of ``url`` this rank kept itself (not a replica), or None."""
+    root = os.path.realpath(options.resolved_directory())
+    normal = normal_url(url)
+    best: tuple[float, str, _Descriptor] | None = None
+    for sdir in _scandir(os.path.join(root, url_key(url))):
+        if not (_SAVE_KEY_RE.match(sdir.name) and sdir.is_dir(follow_symlinks=False)):
+            continue
+        d = _read_descriptor(os.path.join(sdir.path, descriptor_name(rank)), normal, sdir.name)
+        if d is not None and d.rank == rank and not d.replica and (
+                best is None or d.created > best[0]):
+            best = (d.created, sdir.name, d)
+    if best is None:
+        return None
+    _, key, d = best
+    extras: list[tuple[str, int]] = []
+    if d.local_only is not None:
+        for name in (_layout.METADATA, _layout.manifest_name(d.local_only[0])):
+            try:
+                extras.append((name, os.lstat(os.path.join(root, url_key(url), key, name))
+                               .st_size))
+            except OSError:
+                return None
+    return OwnCopy(normal, key, rank, tuple(sorted(d.files.items())), tuple(extras),
+                   d.local_only)
+
+
+def open_own(options: LocalTierOptions, copy: OwnCopy, relative: str) -> int:
+    """A read-only descriptor of one of ``copy``'s files (no link followed)."""
+    path = os.path.join(os.path.realpath(options.resolved_directory()), url_key(copy.url),
+                        copy.save_key, _layout.check_relative_path(relative))
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+
+
+class TierReplica:
+    """A partner rank's files of one save arriving into this node's tier, chunk by chunk.
+
+    Files are written under temporary names and renamed when complete; the descriptor (the
+    partner's, marked ``replica``) is written last, by :meth:`complete`. Every method
+    swallows filesystem errors: the first is logged as a WARNING and what arrived is removed.
+    Nothing here is trusted at read: a replica is checked against the committed manifest's
+    sizes and CRC32C like any local copy.
+    """
+
+    def __init__(self, options: LocalTierOptions, copy: OwnCopy, me: int) -> None:
+        self.options = options
+        self.copy = copy
+        self.me = me
+        self.root = os.path.realpath(options.resolved_directory())
+        self.dir = os.path.join(self.root, url_key(copy.url), copy.save_key)
+        self.ok = _URL_KEY_RE.match(url_key(copy.url)) is not None and \
+            _SAVE_KEY_RE.match(copy.save_key) is not None
+        self.written: list[str] = []
+        self._fd: int | None = None
+        self._tmp = ""
+        self._dest = ""
+        limit = options.max_bytes
+        if self.ok and limit is not None and copy.nbytes > limit:
+            logger.warning("rank %d: rank %d's %d bytes exceed LocalTierOptions.max_bytes "
+                           "(%d): no partner replica kept", me, copy.rank, copy.nbytes, limit)
+            self.ok = False
+
+    def begin(self, relative: str) -> None:
+        if not self.ok:
+            return
+        try:
+            self._dest = os.path.join(self.dir, _layout.check_relative_path(relative))
+            os.makedirs(os.path.dirname(self._dest), exist_ok=True)
+            self._tmp = f"{self._dest}.tmp-{os.getpid()}"
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                               | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except (OSError, errors.UnsafeCheckpointError) as exc:
+            self._give_up(exc)
+
+    def write(self, data: memoryview) -> None:
+        if not self.ok or self._fd is None:
+            return
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            self._give_up(exc)
+
+    def end(self) -> None:
+        if not self.ok or self._fd is None:
+            return
+        try:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(self._tmp, self._dest)
+            self.written.append(self._dest)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def complete(self, sender_ok: bool) -> int:
+        """Write the partner's descriptor (when its files all arrived and ``sender_ok``),
+        then apply retention. Returns the bytes kept."""
+        if not (self.ok and sender_ok):
+            self.abandon()
+            return 0
+        c = self.copy
+        doc: dict[str, object] = {"format": 1, "url": c.url, "save_key": c.save_key,
+                                  "rank": c.rank, "created": time.time(),
+                                  "files": dict(c.files), "replica": {"held_by": self.me}}
+        if c.local_only is not None:
+            sid, world, sha = c.local_only
+            doc["local_only"] = {"save_id": sid, "world": world, "manifest_sha256": sha}
+        try:
+            _write_atomic(os.path.join(self.dir, descriptor_name(c.rank)),
+                          json.dumps(doc).encode())
+        except OSError as exc:
+            self._give_up(exc)
+            return 0
+        try:
+            apply_retention(self.options)
+        except OSError as exc:
+            logger.warning("rank %d: local tier retention in %s failed (%s)", self.me,
+                           self.root, exc.strerror or type(exc).__name__)
+        return c.nbytes
+
+    def abandon(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tmp:
+            _unlink_quietly(self._tmp)
+        extras = {os.path.join(self.dir, name) for name, _ in self.copy.extras}
+        for path in self.written:
+            if path not in extras:  # the save's own commit files may be this rank's too
+                _unlink_quietly(path)
+                _remove_empty_dirs(os.path.dirname(path), self.root)
+        self.written.clear()
+        self.ok = False
+
+    def _give_up(self, exc: BaseException) -> None:
+        if self.ok:
+            what = getattr(exc, "strerror", None) or type(exc).__name__
+            logger.warning("rank %d: keeping rank %d's partner replica in the local tier %s "
+                           "failed (%s): that rank's copy is in the store or its own tier "
+                           "only", self.me, self.copy.rank, self.root, what)
+        self.abandon()
+
+
 # ---- descriptors and retention ----------------------------------------------------------
 
 @dataclass
@@ -251,6 +419,7 @@ class _Descriptor:
     files: dict[str, int]
     url: str = ""
     local_only: tuple[str, int, str] | None = None  # save id, world, manifest sha256
+    replica: bool = False  # a partner rank's files, kept here by this node (see _replicate)
 
 
 def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor | None:
@@ -299,7 +468,8 @@ def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor |
             return None
     except (ValueError, KeyError, TypeError, AttributeError, errors.UnsafeCheckpointError):
         return None
-    return _Descriptor(rank, float(created), out, durl, local_only)
+    return _Descriptor(rank, float(created), out, durl, local_only,
+                       doc.get("replica") is not None)
 
 
 def _descriptors(save_dir: str, url: str | None, save_key: str) -> list[_Descriptor]:
@@ -433,30 +603,52 @@ class LocalRead:
 
 
 def read_local(needs: list[Need], files: dict[str, LocalFile], *, gap: int, max_size: int,
-               url: str, apply: Callable[[Need, memoryview], None]) -> LocalRead:
+               url: str, apply: Callable[[Need, memoryview], None],
+               direct: Callable[[Need], DirectTarget | None] | None = None,
+               commit: Callable[[DirectTarget], None] | None = None) -> LocalRead:
     """Read ``needs`` (all in ``files``) from local disk, checking each against its CRC32C
     exactly as a store read is checked; ``apply`` gets the bytes of each need that passed.
     A file that cannot be opened, changed size, or bytes that fail their checksum are never
-    applied: those needs are returned for the store, each logged as a WARNING."""
+    applied: those needs are returned for the store, each logged as a WARNING.
+
+    ``direct``: where it gives a need's :class:`DirectTarget` covering exactly the need's
+    bytes (a whole contiguous tensor), they are read straight into the target's memory and
+    checked there, saving a copy, and ``commit`` is called with it; a failed check leaves
+    them to the store, which overwrites them (the target is the caller's to fill either
+    way)."""
     out = LocalRead()
-    for rng in plan_ranges(needs, gap=gap, max_size=max_size):
+    rest: list[Need] = []
+    into: list[tuple[Need, DirectTarget]] = []
+    for need in needs:
+        target = direct(need) if direct is not None else None
+        if target is None or (target.start, target.end) != (need.start, need.end):
+            rest.append(need)
+        else:
+            into.append((need, target))
+    # Reads and checksums release the GIL: a few threads overlap one file's read with
+    # another's CRC32C. The targets are disjoint; ``commit`` runs here, in order.
+    workers = min(len(into), _READ_THREADS)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers, "dcpv-tier-read") as pool:
+            done = list(pool.map(lambda nt: _read_into(nt[0], files[nt[0].relative], nt[1],
+                                                       url), into))
+    else:
+        done = [_read_into(n, files[n.relative], t, url) for n, t in into]
+    for (need, target), ok in zip(into, done):
+        if ok:
+            if commit is not None:
+                commit(target)
+            out.bytes_used += need.end - need.start
+        else:
+            out.fallback.append(need)
+    for rng in plan_ranges(rest, gap=gap, max_size=max_size):
         local = files[rng.relative]
         data: bytes | None = None
         why = ""
         try:
-            fd = os.open(local.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != local.size:
-                    why = f"it changed (now {st.st_size} bytes, expected {local.size})"
-                else:
-                    data = os.pread(fd, rng.end - rng.start, rng.start)
-            finally:
-                os.close(fd)
+            data = read_span(local, rng.start, rng.end)
         except OSError as exc:
-            why = f"it cannot be read ({exc.strerror})"
-        if data is not None and len(data) != rng.end - rng.start:
-            why, data = "it is shorter than expected", None
+            why = _why(exc)
         if data is None:
             _warn_fallback(rng.relative, url, why, len(rng.items))
             out.fallback.extend(rng.items)
@@ -464,11 +656,7 @@ def read_local(needs: list[Need], files: dict[str, LocalFile], *, gap: int, max_
         view = memoryview(data)
         for need in rng.items:
             chunk = view[need.start - rng.start:need.end - rng.start]
-            try:
-                check_need(need, chunk, url)
-            except errors.IntegrityError:
-                logger.warning("local copy of shard %s of %s: %s fails its checksum; reading "
-                               "it from the store", rng.relative, url, describe(need.reads[0]))
+            if not _checked(need, chunk, rng.relative, url):
                 out.fallback.append(need)
                 continue
             apply(need, chunk)
@@ -476,23 +664,71 @@ def read_local(needs: list[Need], files: dict[str, LocalFile], *, gap: int, max_
     return out
 
 
+def _checked(need: Need, chunk: memoryview, relative: str, url: str) -> bool:
+    try:
+        check_need(need, chunk, url)
+    except errors.IntegrityError:
+        logger.warning("local copy of shard %s of %s: %s fails its checksum; reading it from "
+                       "the store", relative, url, describe(need.reads[0]))
+        return False
+    return True
+
+
+def _read_into(need: Need, local: LocalFile, target: DirectTarget, url: str) -> bool:
+    """Read ``need``'s bytes from ``local`` straight into ``target`` and check them there."""
+    view = target.view.numpy().data
+    try:
+        _open_checked(local, lambda fd: _preadv_all(fd, view, need.start))
+    except OSError as exc:
+        _warn_fallback(need.relative, url, _why(exc), 1)
+        return False
+    return _checked(need, view, need.relative, url)
+
+
+def _why(exc: OSError) -> str:
+    """Why a local file could not be read, as the fallback warning says it."""
+    if exc.errno == errno.EIO and str(exc.strerror).startswith("it "):
+        return str(exc.strerror)  # ours: it changed / is shorter than expected
+    return f"it cannot be read ({exc.strerror})"
+
+
+def _preadv_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "it is shorter than expected")
+        done += n
+
+
 def _warn_fallback(relative: str, url: str, why: str, count: int) -> None:
     logger.warning("local copy of shard %s of %s is not used: %s; reading %d items from the "
                    "store", relative, url, why, count)
 
 
-def read_span(local: LocalFile, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of a local shard file (a regular file, no link, still of the
-    size it was found at). Raises ``OSError`` when they cannot be read in full."""
+_T = TypeVar("_T")
+#: threads reading whole tensors from the tier into their targets
+_READ_THREADS = max(2, min(4, os.cpu_count() or 1))
+
+
+def _open_checked(local: LocalFile, use: Callable[[int], _T]) -> _T:
+    """``use`` an open descriptor of a local shard file (a regular file, no link, still of
+    the size it was found at). Raises ``OSError`` when it is not that."""
     fd = os.open(local.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != local.size:
             raise OSError(errno.EIO, f"it changed (now {st.st_size} bytes, expected "
                           f"{local.size})")
-        data = os.pread(fd, end - start, start)
+        return use(fd)
     finally:
         os.close(fd)
+
+
+def read_span(local: LocalFile, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a local shard file (a regular file, no link, still of the
+    size it was found at). Raises ``OSError`` when they cannot be read in full."""
+    data = _open_checked(local, lambda fd: os.pread(fd, end - start, start))
     if len(data) != end - start:
         raise OSError(errno.EIO, "it is shorter than expected")
     return data

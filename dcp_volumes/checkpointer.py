@@ -22,13 +22,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_volumes import _compat, _tier, catalog, errors
+from dcp_volumes import _compat, _replicate, _tier, catalog, errors
 from dcp_volumes._api import typed_errors, typed_failure
 from dcp_volumes.backends import parse_url, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
+
+SaveKind = Literal["durable", "local-only"]
 
 
 @dataclass
@@ -78,9 +80,21 @@ class Checkpointer:
         root: the run root, e.g. ``"s3://bucket/run-42"`` or a local directory.
         storage_options: passed to fsspec unchanged; never logged.
         every_steps: save when ``step % every_steps == 0``.
-        every_seconds: save when at least this long has passed since the last save started
-            (or since construction / :meth:`load_latest`). With both set, either triggers a
-            save; with neither, every :meth:`save` call saves.
+        every_seconds: save when at least this long has passed since the last durable save
+            started (or since construction / :meth:`load_latest`). With both set, either
+            triggers a save; with neither, every :meth:`save` call saves.
+        local_every_steps: a second, faster cadence of *local-only* saves (needs
+            ``local_tier=`` and a durable cadence, ``every_steps`` or ``every_seconds``):
+            a local-only save when ``step % local_every_steps == 0``. A step due for both
+            gets the durable save (which keeps a local copy too).
+        local_every_seconds: a local-only save when at least this long has passed since the
+            last save of either kind started. See ``docs/goodput.md`` (two tiers) for
+            choosing both cadences (``dcp-volumes plan --local-save-s``).
+        drain: with ``async_save`` and a local cadence: a save due as local-only is made
+            durable instead when no upload is in flight (the previous durable save has
+            committed), so durable saves follow each other as fast as the store takes them
+            and local-only saves fill the time an upload takes. ``every_steps`` /
+            ``every_seconds`` still force durable saves.
         keep_last: keep the last N complete checkpoints (see :func:`~dcp_volumes.catalog.
             apply_retention`); ``None`` keeps all.
         keep_every: also keep every checkpoint whose step is a multiple of K.
@@ -111,6 +125,9 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         every_steps: int | None = None,
         every_seconds: float | None = None,
+        local_every_steps: int | None = None,
+        local_every_seconds: float | None = None,
+        drain: bool = False,
         keep_last: int | None = None,
         keep_every: int | None = None,
         async_save: bool = False,
@@ -129,18 +146,39 @@ class Checkpointer:
         if storage_options is not None and not isinstance(storage_options, dict):
             raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
         self.storage_options = dict(storage_options or {})
-        if every_steps is not None and (
-            isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1
-        ):
+        for name, steps in (("every_steps", every_steps),
+                            ("local_every_steps", local_every_steps)):
+            if steps is not None and (
+                isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+            ):
+                raise errors.ConfigError(
+                    f"{name} must be a whole number >= 1 or None, got {steps!r}")
+        for name, seconds in (("every_seconds", every_seconds),
+                              ("local_every_seconds", local_every_seconds)):
+            if seconds is not None and not seconds > 0:
+                raise errors.ConfigError(f"{name} must be > 0 or None, got {seconds!r}")
+        local_cadence = local_every_steps is not None or local_every_seconds is not None
+        if local_cadence and local_tier is None:
             raise errors.ConfigError(
-                f"every_steps must be a whole number >= 1 or None, got {every_steps!r}"
-            )
-        if every_seconds is not None and not every_seconds > 0:
-            raise errors.ConfigError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
+                "local_every_steps / local_every_seconds make local-only saves, which need a "
+                "local tier: pass local_tier=LocalTierOptions(directory=...)")
+        if local_cadence and every_steps is None and every_seconds is None:
+            raise errors.ConfigError(
+                "local_every_steps / local_every_seconds need a durable cadence too: set "
+                "every_steps or every_seconds (local-only saves alone are never durable)")
+        if not isinstance(drain, bool):
+            raise errors.ConfigError(f"drain= must be True or False, got {drain!r}")
+        if drain and not (local_cadence and async_save):
+            raise errors.ConfigError(
+                "drain=True turns local-only saves into durable ones while no upload is in "
+                "flight: it needs async_save=True and local_every_steps / local_every_seconds")
         catalog.check_count("keep_last", keep_last)
         catalog.check_count("keep_every", keep_every)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
+        self.local_every_steps = local_every_steps
+        self.local_every_seconds = local_every_seconds
+        self.drain = drain
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = bool(async_save)
@@ -164,7 +202,8 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._closed = False
         self._last_step: int | None = None
-        self._last_save_t = time.monotonic()
+        self._last_save_t = time.monotonic()  # the last durable save: every_seconds
+        self._last_local_t = self._last_save_t  # the last save of any kind: local_every_seconds
         self._lock = threading.Lock()
         # Groups: control collectives (should_save, latest, sync save, load) run on the caller's
         # thread; background saves get a group of their own so the two never interleave.
@@ -202,29 +241,45 @@ class Checkpointer:
         return self._last_step
 
     def should_save(self, step: int) -> bool:
-        """Whether the policy asks for a checkpoint at ``step``.
+        """Whether the policy asks for a checkpoint (of either kind) at ``step``.
 
-        False for the step saved last. Collective when ``every_seconds`` is set in a
-        distributed run: every rank must call it at the same steps.
+        False for the step saved last. Collective when ``every_seconds`` or
+        ``local_every_seconds`` is set in a distributed run: every rank must call it at the
+        same steps.
+        """
+        return self.due(step) is not None
+
+    def due(self, step: int) -> SaveKind | None:
+        """Which save the policy asks for at ``step``: ``"durable"``, ``"local-only"`` (the
+        local cadence, between durable saves) or ``None``. A step due for both is durable.
+
+        Collective when a ``*_every_seconds`` is set in a distributed run (rank 0's clock
+        decides for everyone); otherwise local.
         """
         if step == self._last_step:
-            return False
+            return None
         if self.every_steps is None and self.every_seconds is None:
-            return True
+            return "durable"
         if self.every_steps is not None and step % self.every_steps == 0:
-            return True  # the same answer on every rank: no collective needed
-        if self.every_seconds is None:
-            return False
-        due = time.monotonic() - self._last_save_t >= self.every_seconds
-        if self._distributed:
-            box = [due]
+            return "durable"  # the same answer on every rank: no collective needed
+        now = time.monotonic()
+        local_due = (
+            (self.local_every_steps is not None and step % self.local_every_steps == 0)
+            or (self.local_every_seconds is not None
+                and now - self._last_local_t >= self.local_every_seconds))
+        kind: SaveKind | None = "local-only" if local_due else None
+        if self.every_seconds is not None and now - self._last_save_t >= self.every_seconds:
+            kind = "durable"
+        if self._distributed and (self.every_seconds is not None
+                                  or self.local_every_seconds is not None):
+            box: list[Any] = [kind]
             dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
-            due = bool(box[0])
-        return due
+            kind = box[0] if box[0] in ("durable", "local-only") else None
+        return kind
 
     # ---- save ----------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
-             local_only: bool = False) -> bool:
+             local_only: bool | None = None) -> bool:
         """Save ``state_dict`` as checkpoint ``step`` if the policy says so (or ``force``).
 
         Sync: returns once the checkpoint is committed. Async: waits for the previous save,
@@ -236,6 +291,9 @@ class Checkpointer:
         store do not see it), and :meth:`load_latest` uses it only when the whole group
         holds it and it is newer than the newest durable checkpoint. A rank that cannot
         write its copy (tier full, unwritable) logs a WARNING and the save is never used.
+        ``local_only=None`` (the default) lets the policy pick the kind (:meth:`due`: the
+        local cadence's steps are local-only, the others durable; ``force`` is durable);
+        ``True`` or ``False`` picks it whenever a save happens.
 
         Returns:
             True if a save was started.
@@ -246,17 +304,23 @@ class Checkpointer:
                 (async; this save is then not started).
         """
         self._check_open()
-        if not isinstance(local_only, bool):
-            raise errors.ConfigError(f"local_only= must be True or False, got {local_only!r}")
+        if local_only is not None and not isinstance(local_only, bool):
+            raise errors.ConfigError(
+                f"local_only= must be True, False or None, got {local_only!r}")
         if local_only and self.local_tier is None:
             raise errors.ConfigError(
                 "save(..., local_only=True) writes to the local tier only, and this "
                 "Checkpointer has none: pass Checkpointer(..., local_tier=LocalTierOptions("
                 "directory=...)), or save without local_only=True")
-        if not force and not self.should_save(step):
-            # A failed background save is raised at the next save that happens, not here: every
-            # rank reaches that point at the same step, so all raise together.
-            return False
+        if not force:
+            kind = self.due(step)
+            if kind is None:
+                # A failed background save is raised at the next save that happens, not here:
+                # every rank reaches that point at the same step, so all raise together.
+                return False
+            if local_only is None:
+                local_only = kind == "local-only" and not (self.drain and self._upload_idle())
+        local_only = bool(local_only)
         self._finish_pending()
         url = self.url_for(step)
         if self._writer is None:
@@ -266,7 +330,9 @@ class Checkpointer:
                 local_tier=self.local_tier,
             )
         self._last_step = step
-        self._last_save_t = time.monotonic()
+        self._last_local_t = time.monotonic()
+        if not local_only:
+            self._last_save_t = self._last_local_t
         writer = self._writer
         writer._local_only = local_only
         if not self.async_save:
@@ -277,6 +343,7 @@ class Checkpointer:
                 self._complete_local_only(writer, step, url, self._ctl_group)
             else:
                 self._after_commit(step, url)
+            _replicate.replicate(self.local_tier, url, group=self._ctl_group)
             return True
         response = dcp.async_save(
             state_dict,
@@ -367,6 +434,21 @@ class Checkpointer:
             if typed is not None and typed is not exc:
                 raise typed  # its cause stays the backend error; exc becomes its context
             raise
+        # partner replicas of a background save: on the caller's thread (a collective on the
+        # control group, which every rank reaches here after the same save)
+        _replicate.replicate(self.local_tier, pending.url, group=self._ctl_group)
+
+    def _upload_idle(self) -> bool:
+        """No background save in flight (``drain``). Rank 0 decides for everyone: its save
+        settles only after the commit, which follows every rank's upload."""
+        with self._lock:
+            pending = self._pending
+        idle = pending is None or pending.done.done()
+        if self._distributed:
+            box: list[Any] = [idle]
+            dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
+            idle = bool(box[0])
+        return idle
 
     def wait(self) -> None:
         """Wait for the background save in flight (if any); raise if it failed."""
@@ -404,7 +486,7 @@ class Checkpointer:
             dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
         self.last_load_stats = reader.last_stats
         self._last_step = step
-        self._last_save_t = time.monotonic()
+        self._last_save_t = self._last_local_t = time.monotonic()
         logger.info("resumed from %s (step %s%s)", redact_url(url), step,
                     ", local-only save" if commit is not None else "")
         return step
@@ -504,6 +586,8 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (
             f"Checkpointer({redact_url(self.root)!r}, every_steps={self.every_steps}, "
-            f"every_seconds={self.every_seconds}, keep_last={self.keep_last}, "
+            f"every_seconds={self.every_seconds}, "
+            f"local_every_steps={self.local_every_steps}, "
+            f"local_every_seconds={self.local_every_seconds}, keep_last={self.keep_last}, "
             f"keep_every={self.keep_every}, async_save={self.async_save})"
         )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dcp_volumes.errors import ConfigError
@@ -40,20 +41,20 @@ class SpoolOptions:
         files_per_rank: shard files each rank writes, balanced by size. More files means more
             objects uploaded in parallel; each file is itself uploaded in parallel parts.
         free_space_margin: the spool must have ``margin × rank bytes`` free before a save starts.
-    """
         direct_io: write and read the spool files with ``O_DIRECT`` (``mode="disk"``),
             bypassing the page cache, which for a file read once and deleted only costs CPU
             (see docs/benchmarks.md, client CPU per GiB). ``None`` (default): on, unless a
             :class:`LocalTierOptions` keeps the files (a restart then finds them in the page
             cache). A filesystem that refuses ``O_DIRECT`` (tmpfs) is written through the
             cache whatever this says.
+    """
 
     mode: Literal["disk", "memory"] = "disk"
     directory: str | None = None
     files_per_rank: int = 2
     free_space_margin: float = 1.1
-
     direct_io: bool | None = None
+
     def __post_init__(self) -> None:
         if self.mode not in ("disk", "memory"):
             raise ConfigError(f"SpoolOptions.mode must be 'disk' or 'memory', got {self.mode!r}")
@@ -64,11 +65,11 @@ class SpoolOptions:
             )
         if self.directory is not None and not isinstance(self.directory, (str, os.PathLike)):
             raise ConfigError("SpoolOptions.directory must be a path string or None")
-
         if self.direct_io not in (None, True, False):
             raise ConfigError(
                 f"SpoolOptions.direct_io must be True, False or None (automatic), got "
                 f"{self.direct_io!r}")
+
     def resolved_directory(self) -> str:
         """The spool directory this process will use."""
         return os.fspath(self.directory or os.environ.get(SPOOL_DIR_ENV) or tempfile.gettempdir())
@@ -199,11 +200,25 @@ class LocalTierOptions:
         max_bytes: bytes kept in the directory (all checkpoints together, oldest saves
             evicted first after each save, the newest one too if it alone is larger);
             ``None``: no byte limit.
+        partner_replicas: (opt-in) after each save (``Checkpointer`` only), every rank also
+            sends its kept files to a partner rank on another node, which keeps them in its
+            own tier as a replica: a node whose tier is lost restores from its partners over
+            the process group instead of the store. Replicas count against ``keep_last``
+            and ``max_bytes`` of the partner's tier; they are never durable.
+        ranks_per_node: ranks on one node, for the derived partner map (partner of rank
+            ``r``: ``(r + ranks_per_node) % world``, the same local rank on the next node).
+            ``None``: ``$LOCAL_WORLD_SIZE`` (set by torchrun), else the ranks sharing rank
+            0's host name.
+        partners: explicit ``{rank: partner rank}`` overriding the derived partner of the
+            ranks it names (each partner on another node).
     """
 
     directory: str
     keep_last: int | None = 2
     max_bytes: int | None = None
+    partner_replicas: bool = False
+    ranks_per_node: int | None = None
+    partners: Mapping[int, int] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
@@ -217,6 +232,37 @@ class LocalTierOptions:
         if self.max_bytes is not None:
             _positive_int("LocalTierOptions.max_bytes", self.max_bytes,
                           "a byte budget (e.g. 200 * 2**30), or None for no limit")
+        if not isinstance(self.partner_replicas, bool):
+            raise ConfigError(f"LocalTierOptions.partner_replicas must be True or False, got "
+                              f"{self.partner_replicas!r}")
+        if self.ranks_per_node is not None:
+            _positive_int("LocalTierOptions.ranks_per_node", self.ranks_per_node,
+                          "the ranks on one node (e.g. 8), or None for $LOCAL_WORLD_SIZE")
+        if self.partners is not None:
+            if not isinstance(self.partners, Mapping):
+                raise ConfigError(f"LocalTierOptions.partners must be a mapping of rank to "
+                                  f"partner rank or None, got {type(self.partners).__name__}")
+            for rank, partner in self.partners.items():
+                for what in (rank, partner):
+                    if isinstance(what, bool) or not isinstance(what, int) or what < 0:
+                        raise ConfigError(
+                            f"LocalTierOptions.partners maps ranks (integers >= 0) to ranks, "
+                            f"got {rank!r}: {partner!r}")
+                if rank == partner:
+                    raise ConfigError(
+                        f"LocalTierOptions.partners maps rank {rank} to itself: a partner "
+                        "holds a copy on another node; name a rank of another node")
+                if self.ranks_per_node is not None and \
+                        rank // self.ranks_per_node == partner // self.ranks_per_node:
+                    raise ConfigError(
+                        f"LocalTierOptions.partners maps rank {rank} to rank {partner}, on the "
+                        f"same node ({self.ranks_per_node} ranks per node): a replica must be "
+                        "on another node")
+            object.__setattr__(self, "partners", dict(self.partners))
+        if (self.ranks_per_node is not None or self.partners is not None) \
+                and not self.partner_replicas:
+            raise ConfigError("LocalTierOptions.ranks_per_node / partners are used only with "
+                              "partner_replicas=True: set it, or drop them")
 
     def resolved_directory(self) -> str:
         """The tier directory as an absolute path."""

@@ -29,6 +29,7 @@ from dcp_volumes.transfer.readplan import (
     apply_need,
     check_need,
     describe,
+    direct_target,
     plan_needs,
     plan_ranges,
 )
@@ -316,7 +317,9 @@ class VolumeReader(Location, StorageReader):
         return _tier.read_local(
             mine, self._local, gap=self.transfer.coalesce_gap,
             max_size=self.transfer.max_range_size, url=url,
-            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals))
+            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),
+            direct=lambda need: direct_target(need, planner),
+            commit=lambda target: planner.commit_tensor(target.read, target.target))
 
     def _fallbacks(self, needs: list[Need], local: _tier.LocalRead) -> int:
         rejected = sum(1 for n in needs if n.relative in self._local_rejected)

@@ -22,7 +22,8 @@ checkpoint loads, to verify, describe or gc it) and a distributed :func:`latest`
 
 Modules: ``_listing`` (listing, grouping, :func:`latest`), ``_retention`` (:func:`remove`,
 :func:`apply_retention`), ``_verify``, ``_describe``, ``_gc``, ``_committed`` (reading a
-checkpoint's committed ``.metadata`` and manifest) and ``_common`` (step patterns, counts,
+checkpoint's committed ``.metadata`` and manifest), ``_tiers`` (what a node's local tier
+holds of a run: :func:`local_tier_copies`) and ``_common`` (step patterns, counts,
 times).
 """
 
@@ -39,6 +40,7 @@ from dcp_volumes.catalog._describe import CheckpointDetails, EntryInfo, describe
 from dcp_volumes.catalog._gc import GcReport, gc
 from dcp_volumes.catalog._listing import CheckpointInfo, latest, list_checkpoints
 from dcp_volumes.catalog._retention import apply_retention, remove
+from dcp_volumes.catalog._tiers import TierCopy, local_tier_copies
 from dcp_volumes.catalog._verify import FileReport, VerifyReport, verify
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "EntryInfo",
     "FileReport",
     "GcReport",
+    "TierCopy",
     "VerifyReport",
     "apply_retention",
     "check_count",
@@ -56,6 +59,7 @@ __all__ = [
     "gc",
     "latest",
     "list_checkpoints",
+    "local_tier_copies",
     "remove",
     "step_of",
     "verify",

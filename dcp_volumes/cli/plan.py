@@ -21,7 +21,7 @@ from dcp_volumes.cli._plot import plot_goodput
 from dcp_volumes.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dcp_volumes.goodput import FailureModel, IntervalRow, Plan
+    from dcp_volumes.goodput import FailureModel, IntervalRow, Plan, TwoLevelPlan
 
 __all__ = ["plot_goodput", "register"]
 
@@ -115,6 +115,7 @@ def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
         help="candidate intervals, e.g. 5m,30m,1h,4h (units s, m, h, d; default "
         "5m,10m,15m,30m,1h,2h,4h,8h,12h,24h)",
     )
+    _add_two_tier_options(p)
     p.add_argument("--daly", action="store_true", help="report Daly's optimum instead of Young's")
     p.add_argument(
         "--plot", type=Path, metavar="PNG", help="also write goodput against interval to this PNG"
@@ -123,11 +124,46 @@ def _add_plan(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_run_plan)
 
 
+def _add_two_tier_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "two tiers (with --local-save-s: compare remote-only with local + durable saves)",
+        "The checkpoint cost is then the durable save's, and --restart-cost-s the restart "
+        "without loading the state (the restore times below add to it).",
+    )
+    g.add_argument("--local-save-s", type=positive_float, metavar="SECONDS",
+                   help="time a local-only save blocks training")
+    g.add_argument("--local-survives", type=non_negative_float, metavar="SHARE",
+                   help="share of failures after which the local copies are usable, in [0, 1) "
+                   "(e.g. 0.8)")
+    g.add_argument("--local-restore-s", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="time to load the state from the local tier (default 0)")
+    g.add_argument("--remote-restore-s", type=non_negative_float, default=0.0,
+                   metavar="SECONDS", help="time to load the state from the store (default 0)")
+    g.add_argument("--local-complete-s", type=non_negative_float, default=0.0,
+                   metavar="SECONDS",
+                   help="lag from a local save's return to its copy being usable (default 0)")
+    g.add_argument("--remote-complete-s", type=non_negative_float, default=0.0,
+                   metavar="SECONDS", help="lag from a durable save's return to its commit "
+                   "(the upload of an async save; default 0)")
+    g.add_argument("--local-every", metavar="DURATION",
+                   help="also evaluate this local interval (with --remote-every), e.g. 10m")
+    g.add_argument("--remote-every", metavar="DURATION",
+                   help="also evaluate this remote interval (with --local-every), e.g. 2h")
+
+
+_TWO_TIER_ONLY = ("local_survives", "local_every", "remote_every")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from dcp_volumes.goodput import DEFAULT_INTERVALS_S, parse_duration_s, plan_intervals
 
     model = _failure_model(args)
     cost_s, source = _checkpoint_cost(args)
+    if args.local_save_s is not None:
+        return _run_two_tier(args, model, cost_s, source)
+    used = [f"--{n.replace('_', '-')}" for n in _TWO_TIER_ONLY if getattr(args, n) is not None]
+    if used:
+        raise ConfigError(f"{', '.join(used)} only apply with --local-save-s SECONDS")
     intervals = (
         [parse_duration_s(t) for t in args.intervals.split(",") if t.strip()]
         if args.intervals is not None
@@ -223,7 +259,7 @@ def _print_plain(
     headers: list[str],
     rows: list[list[str]],
     marks: list[str],
-    plan: Plan,
+    plan: Plan | TwoLevelPlan,
     plot: Path | None,
     stream: IO[str],
 ) -> None:
@@ -338,3 +374,103 @@ def _plan_table(plan: Plan) -> tuple[list[str], list[list[str]], list[str]]:
         )
     return headers, rows, marks
 
+
+
+# --------------------------------------------------------------------------------------------
+# Two tiers
+
+
+def _run_two_tier(
+    args: argparse.Namespace, model: FailureModel, cost_s: float, source: str
+) -> int:
+    from dcp_volumes.goodput import TierCosts, parse_duration_s, plan_two_level
+
+    for flag, value in (("--intervals", args.intervals), ("--plot", args.plot)):
+        if value is not None:
+            raise ConfigError(f"{flag} does not apply with --local-save-s (two tiers)")
+    if args.daly:
+        raise ConfigError("--daly does not apply with --local-save-s (two tiers)")
+    if args.local_survives is None:
+        raise ConfigError(
+            "with --local-save-s, give --local-survives SHARE: the share of failures after "
+            "which the local copies are usable (e.g. 0.8; see docs/goodput.md)"
+        )
+    if (args.local_every is None) != (args.remote_every is None):
+        raise ConfigError("--local-every and --remote-every go together; give both or neither")
+    given = None
+    if args.local_every is not None:
+        given = (parse_duration_s(args.local_every), parse_duration_s(args.remote_every))
+    costs = TierCosts(
+        local_save_s=args.local_save_s,
+        remote_save_s=cost_s,
+        local_survives=args.local_survives,
+        local_complete_s=args.local_complete_s,
+        remote_complete_s=args.remote_complete_s,
+        local_restore_s=args.local_restore_s,
+        remote_restore_s=args.remote_restore_s,
+        restart_s=args.restart_cost_s,
+    )
+    plan = plan_two_level(model, costs=costs, job_hours=args.job_hours, given=given)
+    if args.json:
+        doc = plan.to_dict()
+        doc["remote_save_source"] = source
+        print_json(doc)
+    else:
+        _print_two_tier(plan, source=source)
+    return EXIT_OK
+
+
+def _print_two_tier(plan: TwoLevelPlan, *, source: str) -> None:
+    from dcp_volumes.goodput import format_duration
+
+    c = plan.costs
+    m_h = plan.failure_model.mttf_hours
+    summary = [
+        ("failure model", plan.failure_model.describe()),
+        ("job MTTF", f"{m_h:.4g} h ({format_duration(m_h * 3600.0)})"),
+        ("durable save", (f"{c.remote_save_s:.4g} s blocking ({source}), "
+                          f"{c.remote_complete_s:.4g} s to commit, "
+                          f"restore {c.remote_restore_s:.4g} s")),
+        ("local save", (f"{c.local_save_s:.4g} s blocking, {c.local_complete_s:.4g} s to "
+                        f"complete, restore {c.local_restore_s:.4g} s")),
+        ("restart", f"{c.restart_s:.4g} s + restore"),
+        ("local survives", f"{c.local_survives:.0%} of failures"),
+    ]
+    headers = ["setting", "local every", "remote every", "goodput", "ckpt time",
+               "loss/failure", "lost GPU-h/day"]
+    if plan.job_hours is not None:
+        headers.append(f"lost GPU-h/{plan.job_hours:g}h")
+    rows = []
+    for r in plan.rows:
+        cells = [
+            r.name,
+            "-" if r.local_interval_s is None else format_duration(r.local_interval_s),
+            format_duration(r.remote_interval_s),
+            f"{r.goodput:.2%}",
+            f"{r.overhead:.2%}",
+            format_duration(r.loss_per_failure_s),
+            f"{r.lost_gpu_hours_per_day:,.0f}",
+        ]
+        if r.lost_gpu_hours is not None:
+            cells.append(f"{r.lost_gpu_hours:,.0f}")
+        rows.append(cells)
+    marks = ["chosen" if r.name == "two-tier" else "" for r in plan.rows]
+    stream = sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        _print_plain(summary, headers, rows, marks, plan, None, stream)
+        return
+    console = Console(file=stream, highlight=False, soft_wrap=True)
+    for key, value in summary:
+        console.print(f"[bold]{key:<16}[/bold]{value}", markup=True)
+    table = Table(show_edge=False, pad_edge=False)
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for cells, mark in zip(rows, marks):
+        table.add_row(*cells, style="bold green" if mark == "chosen" else None)
+    console.print()
+    console.print(table)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}", markup=True)

@@ -13,6 +13,11 @@ interval. ``docs/goodput.md`` derives every formula; in short, with durations in
   else ``τ = M``;
 * goodput ``G(τ) = τ/(τ+δ) · (1 − (R + (τ+δ)/2) / M)``, clipped at 0.
 
+Two tiers (:func:`plan_two_level`): a local save every ``τ_L``, a durable one every ``τ_R``,
+a share ``p`` of failures survived by the local copies; each tier gets Young's interval from
+its extra cost and the failures it must cover, ``τ_L = √(2δ_L·M/p)``,
+``τ_R = √(2(δ_R−δ_L)·M/(1−p))`` (see :mod:`dcp_volumes.goodput._two_level`).
+
 The model covers infrastructure failures only, assumes independent exponential arrivals, and is
 first order: trust it when ``τ + δ ≪ M``. A zero failure rate gives ``M = inf`` and is handled
 everywhere (no finite optimum; goodput is ``τ/(τ+δ)``).
@@ -32,6 +37,15 @@ from dcp_volumes.goodput._model import (
     young_interval_s,
 )
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
+from dcp_volumes.goodput._two_level import (
+    TierCosts,
+    TwoLevelPlan,
+    TwoLevelRow,
+    expected_loss_per_failure_s,
+    plan_two_level,
+    two_level_goodput,
+    two_level_intervals_s,
+)
 
 __all__ = [
     "DEFAULT_INTERVALS_S",
@@ -39,12 +53,19 @@ __all__ = [
     "FailureModel",
     "IntervalRow",
     "Plan",
+    "TierCosts",
+    "TwoLevelPlan",
+    "TwoLevelRow",
     "daly_interval_s",
     "expected_goodput",
+    "expected_loss_per_failure_s",
     "expected_rework_s",
     "format_duration",
     "interruption_probability",
     "parse_duration_s",
     "plan_intervals",
+    "plan_two_level",
+    "two_level_goodput",
+    "two_level_intervals_s",
     "young_interval_s",
 ]

@@ -23,6 +23,10 @@ It runs inside DCP's own load, through the reader's hooks (no planner of ours):
    target where they map onto it one to one). The next round is fetched meanwhile; memory
    per rank stays about two rounds.
 
+A rank's local tier may also hold a partner rank's files (``_replicate``: partner replicas,
+kept there after the save): they are local copies like its own, so a rank whose node lost its
+tier gets its bytes from the partner that holds them, not from the store.
+
 Peers are other ranks of the same job: bytes received from them are not checked again (their
 owner checked them); bytes from the store or from a local tier always are, on the rank that
 read them. A local copy that fails its check is fetched from the store by its owner instead

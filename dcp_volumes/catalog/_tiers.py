@@ -1,0 +1,151 @@
+"""What one node's local tier holds of a run: local copies of durable checkpoints, and
+local-only saves (never in the store). ``dcp-volumes ls --local-tier DIR`` shows both next
+to the store's listing.
+
+The tier's layout is :mod:`dcp_volumes._tier`'s; everything in it is untrusted, so a
+local-only save counts only when :func:`dcp_volumes._tier.find_local_only` accepts it (its
+descriptor, ``.metadata`` and manifest checked, its files present at their sizes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dcp_volumes.catalog._common import compile_step_pattern, step_of
+from dcp_volumes.config import LocalTierOptions
+
+__all__ = ["TierCopy", "local_tier_copies"]
+
+TierKind = Literal["local-only", "local-copy"]
+
+
+@dataclass(frozen=True)
+class TierCopy:
+    """One save of the run found in a node's local tier.
+
+    Attributes:
+        name: the checkpoint's directory name under the run root.
+        step: the step parsed from ``name``; ``None`` if the step pattern does not match.
+        kind: ``"local-only"`` (written to local tiers only: not durable) or ``"local-copy"``
+            (the local copy a durable save kept).
+        ranks: the ranks whose files this tier holds.
+        world: ranks in the save (local-only saves; ``None`` for local copies).
+        bytes: bytes of those files.
+        files: number of those files.
+        created: epoch seconds of the newest rank descriptor.
+    """
+
+    name: str
+    step: int | None
+    kind: TierKind
+    ranks: tuple[int, ...]
+    world: int | None
+    bytes: int
+    files: int
+    created: float
+
+    @property
+    def complete_here(self) -> bool:
+        """A local-only save whose every rank's files are in this tier (one node saved it
+        all); local copies: always True."""
+        return self.world is None or set(self.ranks) == set(range(self.world))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "step": self.step,
+            "kind": self.kind,
+            "ranks": list(self.ranks),
+            "world": self.world,
+            "bytes": self.bytes,
+            "files": self.files,
+            "created": self.created,
+            "complete_here": self.complete_here,
+        }
+
+
+def _norm(url: str) -> str:
+    from dcp_volumes._tier import normal_url
+
+    u = normal_url(url)
+    if "://" not in u:  # a local directory: compare absolute paths
+        u = os.path.abspath(u)
+    return u
+
+
+def local_tier_copies(
+    root: str | os.PathLike[str],
+    directory: str | os.PathLike[str],
+    *,
+    step_pattern: str | re.Pattern[str] | None = None,
+) -> list[TierCopy]:
+    """The saves of the run under ``root`` in the local tier ``directory``, by step.
+
+    Args:
+        root: the run root, as the Checkpointer was given it (credentials are ignored).
+        directory: the ``LocalTierOptions.directory`` of this node.
+        step_pattern: as for :func:`~dcp_volumes.catalog.list_checkpoints`.
+    """
+    # here, not at the top: the tier's module imports torch, and `import dcp_volumes.catalog`
+    # (ls --check 0) must not
+    from dcp_volumes import _tier
+
+    pattern = compile_step_pattern(step_pattern)
+    prefix = _norm(os.fspath(root)) + "/"
+
+    def name_of(url: str) -> str | None:
+        u = _norm(url)
+        name = u[len(prefix) :] if u.startswith(prefix) else ""
+        return name if name and "/" not in name else None
+
+    options = LocalTierOptions(directory=os.fspath(directory), keep_last=None)
+    valid = {
+        (c.url, c.save_id, c.rank): c.world
+        for c in _tier.find_local_only(options, lambda u: name_of(u) is not None)
+    }
+    found: dict[tuple[str, str, TierKind], dict[str, Any]] = {}
+    tier_root = options.resolved_directory()
+    for udir in _tier._scandir(tier_root):
+        if not (_tier._URL_KEY_RE.match(udir.name) and udir.is_dir(follow_symlinks=False)):
+            continue
+        for sdir in _tier._scandir(udir.path):
+            if not (_tier._SAVE_KEY_RE.match(sdir.name) and sdir.is_dir(follow_symlinks=False)):
+                continue
+            for d in _tier._descriptors(sdir.path, None, sdir.name):
+                name = name_of(d.url)
+                if name is None or _tier.url_key(d.url) != udir.name:
+                    continue
+                kind: TierKind = "local-copy"
+                world = None
+                if d.local_only is not None:
+                    world = valid.get((d.url, d.local_only[0], d.rank))
+                    if world is None:
+                        continue  # damaged or incomplete on this node: never used
+                    kind = "local-only"
+                entry = found.setdefault(
+                    (name, sdir.name, kind),
+                    {"ranks": set(), "world": world, "bytes": 0, "files": 0, "created": 0.0},
+                )
+                entry["ranks"].add(d.rank)
+                entry["bytes"] += sum(d.files.values())
+                entry["files"] += len(d.files)
+                entry["created"] = max(entry["created"], d.created)
+    out = [
+        TierCopy(
+            name=name,
+            step=step_of(name, pattern),
+            kind=kind,
+            ranks=tuple(sorted(e["ranks"])),
+            world=e["world"],
+            bytes=e["bytes"],
+            files=e["files"],
+            created=e["created"],
+        )
+        for (name, _, kind), e in found.items()
+    ]
+    out.sort(key=lambda c: (c.step is None, c.step or 0, c.name, c.created))
+    return out
