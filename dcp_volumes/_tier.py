@@ -425,19 +425,9 @@ class _Descriptor:
 def _read_descriptor(path: str, url: str | None, save_key: str) -> _Descriptor | None:
     """A descriptor, or None when it is not a well-formed one of ``save_key`` (and ``url``,
     when given). Untrusted: a regular file of bounded size, every field checked."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    raw = _read_bounded(path, DESCRIPTOR_MAX)
+    if raw is None:
         return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > DESCRIPTOR_MAX:
-            return None
-        raw = os.read(fd, DESCRIPTOR_MAX + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(raw)
         files = doc["files"]
@@ -758,15 +748,15 @@ class LocalOnlyCopy:
                              self.manifest_sha256, self.created)
 
 
-def _read_bounded(path: str) -> bytes | None:
-    """A regular file's bytes (no link, at most :data:`MAX_COMMIT_FILE`), or None."""
+def _read_bounded(path: str, limit: int) -> bytes | None:
+    """A regular file's bytes (no link, at most ``limit`` of them), or None."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_COMMIT_FILE:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             return None
         chunks = []
         left = st.st_size + 1
@@ -788,10 +778,11 @@ def _check_commit(save_dir: str, save_id: str, world: int, sha: str) -> LocalCom
     """The ``.metadata`` and manifest of a local-only save in ``save_dir``, when they are
     what its descriptor says: a manifest with that SHA-256, save id and world size, and a
     ``.metadata`` that the restricted unpickler accepts and that commits that save id."""
-    manifest_bytes = _read_bounded(os.path.join(save_dir, _layout.manifest_name(save_id)))
+    manifest_bytes = _read_bounded(os.path.join(save_dir, _layout.manifest_name(save_id)),
+                                   MAX_COMMIT_FILE)
     if manifest_bytes is None or hashlib.sha256(manifest_bytes).hexdigest() != sha:
         return None
-    metadata_bytes = _read_bounded(os.path.join(save_dir, _layout.METADATA))
+    metadata_bytes = _read_bounded(os.path.join(save_dir, _layout.METADATA), MAX_COMMIT_FILE)
     if metadata_bytes is None:
         return None
     where = os.path.join(save_dir, _layout.METADATA)

@@ -228,8 +228,24 @@ def _failure_model(args: argparse.Namespace) -> FailureModel:
 
 def _print_plan(plan: Plan, *, plot: Path | None, out: IO[str] | None = None) -> None:
     stream = sys.stdout if out is None else out
-    summary = _plan_summary(plan)
     headers, rows, marks = _plan_table(plan)
+    _print_table(_plan_summary(plan), headers, rows, marks, plan, plot, stream,
+                 left_last=True)
+
+
+def _print_table(
+    summary: list[tuple[str, str]],
+    headers: list[str],
+    rows: list[list[str]],
+    marks: list[str],
+    plan: Plan | TwoLevelPlan,
+    plot: Path | None,
+    stream: IO[str],
+    *,
+    left_last: bool,
+) -> None:
+    """The summary lines, the table (rich when installed, else plain), the warnings.
+    ``left_last``: the last column (a note) is left-aligned."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -241,7 +257,8 @@ def _print_plan(plan: Plan, *, plot: Path | None, out: IO[str] | None = None) ->
         console.print(f"[bold]{key:<16}[/bold]{value}", markup=True)
     table = Table(show_edge=False, pad_edge=False)
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i in (0, len(headers) - 1) else "right")
+        left = i == 0 or (left_last and i == len(headers) - 1)
+        table.add_column(h, justify="left" if left else "right")
     for cells, mark in zip(rows, marks):
         table.add_row(
             *cells, style="bold green" if mark == "chosen" else "dim" if mark == "beyond" else None
@@ -455,22 +472,4 @@ def _print_two_tier(plan: TwoLevelPlan, *, source: str) -> None:
             cells.append(f"{r.lost_gpu_hours:,.0f}")
         rows.append(cells)
     marks = ["chosen" if r.name == "two-tier" else "" for r in plan.rows]
-    stream = sys.stdout
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        _print_plain(summary, headers, rows, marks, plan, None, stream)
-        return
-    console = Console(file=stream, highlight=False, soft_wrap=True)
-    for key, value in summary:
-        console.print(f"[bold]{key:<16}[/bold]{value}", markup=True)
-    table = Table(show_edge=False, pad_edge=False)
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for cells, mark in zip(rows, marks):
-        table.add_row(*cells, style="bold green" if mark == "chosen" else None)
-    console.print()
-    console.print(table)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}", markup=True)
+    _print_table(summary, headers, rows, marks, plan, None, sys.stdout, left_last=False)
