@@ -19,6 +19,7 @@ non-empty file is never empty and is marked ``final``.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import mmap
@@ -317,6 +318,10 @@ class SpoolFile:
                 i += take
                 if self._direct_len == _DIRECT_BUFFER:
                     self._flush_direct()
+                    if self._direct is None:  # refused: the rest goes through the cache
+                        self._write_all(mv[i:])
+                        self._flushed = end
+                        break
         # A part goes out once its bytes are in the file and at least one more byte follows.
         while (end - self._emitted > self.part_size
                and self._flushed - self._emitted >= self.part_size):
@@ -341,10 +346,48 @@ class SpoolFile:
         padded = -(-n // _ALIGN) * _ALIGN
         if padded > n:
             self._direct[n:padded] = bytes(padded - n)
+        refused = False
         with memoryview(self._direct) as view:
-            self._write_all(view[:padded])
+            if self._flushed == 0:
+                try:
+                    written = os.write(self._fd, view[:padded])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise SpoolError(
+                            f"writing spool file {self.path!r} failed ({exc.strerror}): free "
+                            "space or point SpoolOptions(directory=...) elsewhere") from exc
+                    refused = True
+                else:
+                    if written < padded:
+                        self._write_all(view[written:padded])
+            else:
+                self._write_all(view[:padded])
+        if refused:
+            # The filesystem took the O_DIRECT open but refuses the write: go on through the
+            # page cache, from the start of the file.
+            self._drop_direct(self._direct[:n])
+            return
         self._flushed += n
         self._direct_len = 0
+
+    def _drop_direct(self, pending: bytes) -> None:
+        """Switch this file to cached I/O with ``pending`` (the file's first bytes) written."""
+        assert self.path is not None and self._direct is not None
+        for fd in (self._fd, self._read_fd):
+            os.close(fd)
+        self._read_fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            self._fd = -1
+            raise SpoolError(f"cannot reopen spool file {self.path!r} ({exc.strerror})") from exc
+        self._direct.close()
+        self._direct = None
+        self._direct_len = 0
+        self._write_all(memoryview(pending))
+        self._flushed = len(pending)
+        logger.info("spool directory of %s refuses O_DIRECT writes: writing through the "
+                    "page cache", self.path)
 
     def _write_memory(self, mv: memoryview) -> None:
         i = 0
@@ -390,9 +433,14 @@ class SpoolFile:
             return part.buffer
         if part.length == 0:
             return b""
+        data: bytes | None = None
         if self._read_fd >= 0 and part.offset % _ALIGN == 0:
-            data = self._read_direct(part)
-        else:
+            try:
+                data = self._read_direct(part)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        if data is None:
             # Cached reads see what O_DIRECT wrote (the kernel keeps the two coherent).
             data = os.pread(self._fd if self._cached_fd < 0 else self._cached_fd,
                             part.length, part.offset)

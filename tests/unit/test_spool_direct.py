@@ -5,6 +5,7 @@ real store (local files, and SeaweedFS over S3)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 import warnings
@@ -147,6 +148,47 @@ def test_no_o_direct_on_the_platform_means_cached_writes(tmp_path: Path,
         assert sf._direct is None
         assert b"".join(bytes(sf.read(p)) for p in parts) == whole
     finally:
+        sf.discard()
+
+
+@pytest.mark.parametrize("sizes", [[3 * MiB], [77, 11 * MiB + 5, 5], [4096] * 3000])
+def test_a_filesystem_refusing_direct_writes_falls_back(disk_dir: Path, sizes: list[int],
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Some filesystems take the O_DIRECT open and refuse the write (EINVAL): the file goes
+    on through the page cache, every byte and part as the cached spool's."""
+    refused: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: Any) -> int:
+        if fd == direct_fd[0] and sf._direct is not None:  # fd numbers are reused
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    pieces = [os.urandom(n) for n in sizes]
+    parts: list[Any] = []
+    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB,
+                   emit=parts.append, direct=True)
+    direct_fd = [sf._fd]
+    assert sf._direct is not None
+    monkeypatch.setattr(os, "write", write)
+    try:
+        sf.begin_item()
+        for piece in pieces:
+            sf.write(piece)
+        sf.end_item()
+        sf.close()
+        monkeypatch.setattr(os, "write", real_write)
+        whole = b"".join(pieces)
+        assert refused and sf._direct is None
+        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+        assert [p.crc for p in parts] == [crc32c.crc32c(bytes(sf.read(p))) for p in parts]
+        assert sf.path is not None
+        with open(sf.path, "rb") as f:
+            assert f.read() == whole
+    finally:
+        monkeypatch.setattr(os, "write", real_write)
         sf.discard()
 
 
