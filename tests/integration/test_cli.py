@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -19,6 +18,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _cli import run_cli as dcpv
 
 from dcp_volumes import VolumeWriter
 from dcp_volumes._compat import no_dist
@@ -38,19 +38,6 @@ def moto() -> Iterator[LocalServer]:
     server.create_bucket("cli")
     yield server
     server.stop()
-
-
-def dcpv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT")}
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**clean, **(env or {})},
-    )
 
 
 def save(url: str, options: dict[str, Any], value: float = 1.0) -> None:

@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _cli import run_cli as dcpv
 
 from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, catalog
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def dcpv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _cli import run_cli as _run
 
 from dcp_volumes import cli
 from dcp_volumes.bench.costs import checkpoint_cost_from_bench
@@ -31,7 +31,6 @@ from dcp_volumes.goodput import (
     young_interval_s,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 HOUR = 3600.0
 
 # The running example: AFR 10 %/GPU-year on 1000 GPUs.
@@ -533,17 +532,6 @@ def test_format_duration(seconds: float, text: str) -> None:
 # CLI through a subprocess: the real entry point, exit codes and streams
 
 _BASE = ["--gpus", "1000", "--afr", "0.1", "--checkpoint-cost-s", "60", "--restart-cost-s", "600"]
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", *args],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_cli_plan_table() -> None:

@@ -9,10 +9,9 @@ import json
 import math
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _cli import run_cli
 
 from dcp_volumes.errors import ConfigError
 from dcp_volumes.goodput import (
@@ -25,8 +24,6 @@ from dcp_volumes.goodput import (
     two_level_intervals_s,
     young_interval_s,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 # 1024 GPUs, one failure every 3 h on 16 384 GPUs: M = 3·16384/1024 h = 48 h = 172 800 s.
 M_S = 48 * 3600.0
@@ -212,15 +209,7 @@ _TIERS = [
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", *args],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
-    )
+    return run_cli(*args, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"}, clean_env=True)
 
 
 def test_cli_two_tier_json() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _cli import run_cli
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
@@ -256,11 +257,7 @@ def test_credentials_in_urls_are_refused_and_never_logged(caplog: pytest.LogCapt
 
 
 def test_cli_debug_traceback_never_prints_a_url_secret() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", "--debug", "ls",
-         "s3://AKIAEXAMPLEKEY:TOPSECRETVALUE@bucket/run"],
-        check=False, capture_output=True, text=True, timeout=120,
-    )
+    out = run_cli("--debug", "ls", "s3://AKIAEXAMPLEKEY:TOPSECRETVALUE@bucket/run")
     assert out.returncode != 0
     assert "TOPSECRETVALUE" not in out.stdout + out.stderr
     assert "storage_options" in out.stderr
