@@ -6,10 +6,9 @@ uploader as soon as they are complete, so a file uploads while it is still being
 
 - ``disk`` mode appends to a file in the spool directory and never waits for the network;
   the uploader reads each part back with ``pread``. With ``direct=True`` the file is written
-  and read with ``O_DIRECT`` through page-aligned buffers, bypassing the page cache: a
+  and read with ``O_DIRECT`` (:mod:`dcp_volumes._spool_direct`), bypassing the page cache: a
   spool file is read once and deleted, so caching it only costs CPU (about 2 CPU-s per GiB
-  written and read back through ext4's cache on a small VM, against 0.3 direct). Where the
-  filesystem refuses ``O_DIRECT`` (tmpfs), the file is written through the cache as before.
+  through ext4's cache on a small VM, against 0.3 direct); tmpfs refuses it: cached writes.
 - ``memory`` mode fills part-sized buffers; a semaphore shared with the uploader caps the
   buffers alive at once, so serialization waits for uploads instead of growing RAM.
 
@@ -19,6 +18,7 @@ non-empty file is never empty and is marked ``final``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -34,17 +34,19 @@ from dataclasses import dataclass
 import crc32c
 
 from dcp_volumes._crc import crc32c_extend
+from dcp_volumes._spool_direct import (
+    ALIGN,
+    DIRECT_BUFFER,
+    aligned,
+    open_direct,
+    read_direct,
+    release_buffer,
+)
 from dcp_volumes.errors import SpoolError
 
 __all__ = ["DataLayout", "Part", "SpoolFile", "check_free_space"]
 
 logger = logging.getLogger(__name__)
-
-#: alignment of O_DIRECT offsets, lengths and buffer addresses (the largest logical block
-#: size in use; mmap'd buffers are page-aligned)
-_ALIGN = 4096
-#: bytes gathered before each O_DIRECT write
-_DIRECT_BUFFER = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,19 @@ def check_free_space(directory: str, needed: int, margin: float) -> None:
     """Raise :class:`SpoolError` unless ``directory`` can hold ``needed × margin`` bytes."""
     try:
         os.makedirs(directory, exist_ok=True)
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
         free = shutil.disk_usage(directory).free
     except OSError as exc:
         raise SpoolError(
             f"spool directory {directory!r} is not usable ({exc.strerror}): set "
             "SpoolOptions(directory=...) or DCP_VOLUMES_SPOOL_DIR to a writable local directory"
         ) from exc
+    if read_only or not os.access(directory, os.W_OK):
+        why = "on a read-only filesystem" if read_only else "not writable by this process"
+        raise SpoolError(
+            f"spool directory {directory!r} is {why}: mount it read-write, or set "
+            "SpoolOptions(directory=...) or DCP_VOLUMES_SPOOL_DIR to a writable local "
+            "directory (or use SpoolOptions(mode='memory'))")
     want = int(needed * margin)
     if free < want:
         raise SpoolError(
@@ -209,23 +218,14 @@ class SpoolFile:
 
     def _open_direct(self) -> None:
         """Switch to O_DIRECT where the filesystem takes it (not tmpfs); else stay cached."""
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return
         assert self.path is not None
-        try:
-            wfd = os.open(self.path, os.O_WRONLY | flag)
-        except OSError:
-            return
-        try:
-            rfd = os.open(self.path, os.O_RDONLY | flag)
-        except OSError:
-            os.close(wfd)
+        fds = open_direct(self.path)
+        if fds is None:
             return
         os.close(self._fd)
-        self._fd, self._read_fd = wfd, rfd
+        self._fd, self._read_fd = fds
         self._cached_fd = os.open(self.path, os.O_RDONLY)
-        self._direct = mmap.mmap(-1, _DIRECT_BUFFER)
+        self._direct = mmap.mmap(-1, DIRECT_BUFFER)
 
     # ---- file-like API used by torch.save -----------------------------------------------
     def writable(self) -> bool:
@@ -312,11 +312,11 @@ class SpoolFile:
         else:
             i = 0
             while i < len(mv):
-                take = min(len(mv) - i, _DIRECT_BUFFER - self._direct_len)
+                take = min(len(mv) - i, DIRECT_BUFFER - self._direct_len)
                 self._direct[self._direct_len:self._direct_len + take] = mv[i:i + take]
                 self._direct_len += take
                 i += take
-                if self._direct_len == _DIRECT_BUFFER:
+                if self._direct_len == DIRECT_BUFFER:
                     self._flush_direct()
                     if self._direct is None:  # refused: the rest goes through the cache
                         self._write_all(mv[i:])
@@ -343,7 +343,7 @@ class SpoolFile:
         truncates the padding off)."""
         assert self._direct is not None
         n = self._direct_len
-        padded = -(-n // _ALIGN) * _ALIGN
+        padded = aligned(n)
         if padded > n:
             self._direct[n:padded] = bytes(padded - n)
         refused = False
@@ -381,7 +381,7 @@ class SpoolFile:
         except OSError as exc:
             self._fd = -1
             raise SpoolError(f"cannot reopen spool file {self.path!r} ({exc.strerror})") from exc
-        self._direct.close()
+        release_buffer(self._direct)
         self._direct = None
         self._direct_len = 0
         self._write_all(memoryview(pending))
@@ -434,9 +434,9 @@ class SpoolFile:
         if part.length == 0:
             return b""
         data: bytes | None = None
-        if self._read_fd >= 0 and part.offset % _ALIGN == 0:
+        if self._read_fd >= 0 and part.offset % ALIGN == 0:
             try:
-                data = self._read_direct(part)
+                data = read_direct(self._read_fd, part.offset, part.length)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -447,18 +447,6 @@ class SpoolFile:
         if len(data) != part.length:
             raise SpoolError(f"spool file {self.path!r} is shorter than expected")
         return data
-
-    def _read_direct(self, part: Part) -> bytes:
-        length = -(-part.length // _ALIGN) * _ALIGN
-        with mmap.mmap(-1, length) as buf:
-            done = 0
-            while done < part.length:
-                with memoryview(buf) as view:
-                    n = os.preadv(self._read_fd, [view[done:]], part.offset + done)
-                if n <= 0:
-                    break
-                done += n
-            return buf[:min(done, part.length)]
 
     def close(self) -> int:
         """Hand out the final part; returns the file's size."""
@@ -486,20 +474,25 @@ class SpoolFile:
         return self._next_part - 1
 
     def discard(self) -> None:
-        """Free everything this file holds locally (idempotent)."""
-        if self._buf_release is not None:
-            self._buf_release()
-            self._buf_release = None
-        self._buf = None
-        for fd in (self._fd, self._read_fd, self._cached_fd):
-            if fd >= 0:
-                os.close(fd)
-        self._fd = self._read_fd = self._cached_fd = -1
-        if self._direct is not None:
-            self._direct.close()
-            self._direct = None
+        """Free everything this file holds locally (idempotent); never raises. The file is
+        unlinked first: whatever else fails (a descriptor that will not close, a buffer a
+        failed write's traceback still views), it does not outlive the failed save."""
         if self.path is not None:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                logger.warning("could not remove spool file %s (%s)", self.path, exc.strerror)
+        if self._buf_release is not None:
+            release, self._buf_release = self._buf_release, None
+            release()
+        self._buf = None
+        for fd in (self._fd, self._read_fd, self._cached_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._read_fd = self._cached_fd = -1
+        if self._direct is not None:
+            direct, self._direct = self._direct, None
+            release_buffer(direct)

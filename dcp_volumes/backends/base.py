@@ -3,7 +3,7 @@
 A :class:`Backend` owns the filesystem client, the event loop its calls run on, and the one
 choke point (:meth:`Backend.call`) through which every request goes: retries of transient
 errors with capped exponential backoff and full jitter, pacing by the process's
-:class:`~dcp_volumes.transfer.adaptive.StoreThrottle` for the store once it throttles, and
+:class:`~dcp_volumes.backends.pacing.StoreThrottle` for the store once it throttles, and
 translation of the final error into :mod:`dcp_volumes.errors`
 (:mod:`dcp_volumes.backends.translate`). Each store's module
 subclasses it, states its capabilities as class attributes, and overrides the raw calls
@@ -14,31 +14,35 @@ which store it talks to.
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
 import logging
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import fsspec
 import fsspec.asyn
 
 from dcp_volumes import errors
+from dcp_volumes.backends.pacing import StoreThrottle, store_throttle
+from dcp_volumes.backends.records import (
+    Attempts,
+    CallStats,
+    ObjectInfo,
+    StaleUpload,
+    never_retry,
+    to_epoch,
+)
+from dcp_volumes.backends.sink import Sink, StreamSink
 from dcp_volumes.backends.translate import (
     is_throttle,
     is_transient,
     redact_url,
     status_and_code,
+    throttled_too_long,
     translate_error,
 )
 from dcp_volumes.config import RetryOptions
-from dcp_volumes.transfer.adaptive import StoreThrottle, store_throttle
-
-if TYPE_CHECKING:
-    from dcp_volumes.backends.sink import Sink
 
 __all__ = [
     "THROTTLES_PER_ATTEMPT",
@@ -65,66 +69,6 @@ THROTTLE_RETRY_DOUBLINGS = 1
 #: A store that refuses every request since this one started gets whole attempts: a dead
 #: store fails a save as fast with the reaction on as without it
 THROTTLES_PER_ATTEMPT = 4
-
-
-def never_retry(_: BaseException) -> bool:
-    """``retry_if`` for calls that cannot be repeated (a stream cannot be rewound)."""
-    return False
-
-
-@dataclass
-class CallStats:
-    """Counters shared by every call of one save or load (``throttled``: retries that
-    answered a throttle, SlowDown / 429 / 503; they are counted in ``retries`` too)."""
-
-    retries: int = 0
-    requests: int = 0
-    throttled: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, *, retries: int = 0, requests: int = 0, throttled: int = 0) -> None:
-        with self._lock:
-            self.retries += retries
-            self.requests += requests
-            self.throttled += throttled
-
-
-def to_epoch(value: Any) -> float | None:
-    """Seconds since the epoch from what stores put in listings (naive datetimes are UTC)."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return value.timestamp()
-    if isinstance(value, str):
-        try:
-            return to_epoch(_dt.datetime.fromisoformat(value.replace("Z", "+00:00")))
-        except ValueError:
-            return None
-    return None
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """One object found by :meth:`Backend.scan`."""
-
-    name: str  # relative to the root
-    size: int
-    mtime: float | None  # epoch seconds, when the store reports it
-
-
-@dataclass(frozen=True)
-class StaleUpload:
-    """An unfinished multipart upload (invisible to listings, billed by the store)."""
-
-    key: str  # "bucket/key", as the backend names objects
-    upload_id: str
-    initiated: float | None  # epoch seconds
 
 
 class Backend:
@@ -262,68 +206,104 @@ class Backend:
         :data:`THROTTLE_RETRY_DOUBLINGS` (the pacer does the slowing down), and, while the
         store still answers other requests of the process, it spends only
         ``1 / THROTTLES_PER_ATTEMPT`` of ``max_attempts`` (the deadline still bounds it).
-        """
-        policy = self.retry
-        throttle = self.throttle
-        attempt = 0
-        spent = 0.0  # of policy.max_attempts
-        start = time.monotonic()
-        first_started: float | None = None
+        A transfer (the calls sharing ``stats``) that gets only throttles for longer than
+        ``deadline_s`` fails at its next throttle answer: in about one deadline, not one
+        per part."""
+        tries = Attempts(start=time.monotonic())
         while True:
-            attempt += 1
-            started = await throttle.turn() if throttle is not None else 0.0
-            if first_started is None:
-                first_started = started
+            tries.attempt += 1
+            tries.started = await self.throttle.turn() if self.throttle is not None else 0.0
+            if tries.first_started is None:
+                tries.first_started = tries.started
             try:
-                if policy.deadline_s is None:
-                    result = await fn()
-                else:  # the deadline bounds the request end to end, a hung attempt included
-                    remaining = policy.deadline_s - (time.monotonic() - start)
-                    result = await asyncio.wait_for(fn(), timeout=max(remaining, 0.001))
-                if throttle is not None:
-                    throttle.on_success(started)
-                if stats is not None:
-                    stats.add(requests=1)
-                return result
+                result = await self._attempt(fn, tries.start)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                throttled = is_throttle(exc)
-                paced = throttled and throttle is not None and policy.max_attempts > 1
-                if throttled and throttle is not None:
-                    throttle.on_throttle(started)
-                # a fraction of an attempt only while the store serves others (rate-limiting);
-                # a store that refused everything since this request started is down
-                cheap = paced and throttle is not None and throttle.answered_since(first_started)
-                spent += 1.0 / THROTTLES_PER_ATTEMPT if cheap else 1.0
-                elapsed = time.monotonic() - start
-                if (
-                    not retry_if(exc)
-                    or spent >= policy.max_attempts
-                    or (policy.deadline_s is not None and elapsed >= policy.deadline_s)
-                ):
-                    logger.debug("%s %s failed on attempt %d: %s", op, redact_url(url), attempt,
-                                 type(exc).__name__)
-                    raise translate_error(exc, url=url, op=op) from exc
-                doublings = attempt - 1
-                if paced:
-                    # The pacer has slowed the whole process down already; a retry that also
-                    # backed off exponentially would sit out the capacity the pacing allows.
-                    doublings = min(doublings, THROTTLE_RETRY_DOUBLINGS)
-                backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2**doublings)
-                delay = random.uniform(0, backoff) if policy.jitter else backoff
-                if policy.deadline_s is not None:
-                    delay = min(delay, max(0.0, policy.deadline_s - elapsed))
-                status, code = status_and_code(exc)
-                logger.warning(
-                    "%s %s: transient %s, retry %d (%.2f of %d attempts spent) in %.2fs%s",
-                    op, redact_url(url),
-                    code or (f"HTTP {status}" if status else type(exc).__name__),
-                    attempt, spent, policy.max_attempts, delay, ", paced" if paced else "",
-                )
-                if stats is not None:
-                    stats.add(retries=1, requests=1, throttled=int(throttled))
-                await asyncio.sleep(delay)
+            except Exception as exc:  # noqa: BLE001 — retried, or translated and raised
+                await self._after_failure(exc, tries, op=op, url=url, stats=stats,
+                                          retry_if=retry_if)
+                continue
+            if self.throttle is not None:
+                self.throttle.on_success(tries.started)
+            if stats is not None:
+                stats.add(requests=1)
+                stats.note_answer()
+            return result
+
+    async def _attempt(self, fn: Callable[[], Awaitable[T]], start: float) -> T:
+        """One attempt; the deadline bounds the request end to end, a hung attempt included."""
+        if self.retry.deadline_s is None:
+            return await fn()
+        remaining = self.retry.deadline_s - (time.monotonic() - start)
+        return await asyncio.wait_for(fn(), timeout=max(remaining, 0.001))
+
+    async def _after_failure(self, exc: Exception, tries: Attempts, *, op: str, url: str,
+                             stats: CallStats | None,
+                             retry_if: Callable[[BaseException], bool]) -> None:
+        """Account for a failed attempt: raise the translated error when it was the last
+        one, else log the retry and sleep its backoff."""
+        policy, throttle = self.retry, self.throttle
+        throttled = is_throttle(exc)
+        paced = throttled and throttle is not None and policy.max_attempts > 1
+        if throttled:
+            tries.throttles += 1
+            if throttle is not None:
+                throttle.on_throttle(tries.started)
+        # a fraction of an attempt only while the store serves others (rate-limiting);
+        # a store that refused everything since this request started is down
+        cheap = (paced and throttle is not None and tries.first_started is not None
+                 and throttle.answered_since(tries.first_started))
+        tries.spent += 1.0 / THROTTLES_PER_ATTEMPT if cheap else 1.0
+        elapsed = time.monotonic() - tries.start
+        if throttled and stats is not None and retry_if(exc):
+            self._check_throttle_streak(exc, stats, op=op, url=url)
+        if (
+            not retry_if(exc)
+            or tries.spent >= policy.max_attempts
+            or (policy.deadline_s is not None and elapsed >= policy.deadline_s)
+        ):
+            logger.debug("%s %s failed on attempt %d: %s", op, redact_url(url), tries.attempt,
+                         type(exc).__name__)
+            streak = stats.throttle_streak(time.monotonic()) if stats is not None else None
+            if streak is not None and tries.throttles:  # it ends a run of throttles
+                raise throttled_too_long(exc, url=url, op=op, answers=streak[0],
+                                         seconds=streak[1], deadline_s=policy.deadline_s) from exc
+            raise translate_error(exc, url=url, op=op) from exc
+        delay = self._backoff_s(tries.attempt, paced=paced, elapsed=elapsed)
+        status, code = status_and_code(exc)
+        logger.warning(
+            "%s %s: transient %s, retry %d (%.2f of %d attempts spent) in %.2fs%s",
+            op, redact_url(url), code or (f"HTTP {status}" if status else type(exc).__name__),
+            tries.attempt, tries.spent, policy.max_attempts, delay, ", paced" if paced else "",
+        )
+        if stats is not None:
+            stats.add(retries=1, requests=1, throttled=int(throttled))
+        await asyncio.sleep(delay)
+
+    def _check_throttle_streak(self, exc: Exception, stats: CallStats, *, op: str,
+                               url: str) -> None:
+        """Fail the transfer once its throttle answers in a row outlast the deadline."""
+        answers, seconds = stats.note_throttle(time.monotonic())
+        deadline = self.retry.deadline_s
+        if deadline is not None and seconds >= deadline:
+            logger.debug("%s %s: %d throttle answers in a row over %.1fs", op, redact_url(url),
+                         answers, seconds)
+            raise throttled_too_long(exc, url=url, op=op, answers=answers, seconds=seconds,
+                                     deadline_s=deadline) from exc
+
+    def _backoff_s(self, attempt: int, *, paced: bool, elapsed: float) -> float:
+        """The sleep before retry number ``attempt``: capped exponential, full jitter."""
+        policy = self.retry
+        doublings = attempt - 1
+        if paced:
+            # The pacer has slowed the whole process down already; a retry that also
+            # backed off exponentially would sit out the capacity the pacing allows.
+            doublings = min(doublings, THROTTLE_RETRY_DOUBLINGS)
+        backoff = min(policy.max_backoff_s, policy.initial_backoff_s * 2**doublings)
+        delay = random.uniform(0, backoff) if policy.jitter else backoff
+        if policy.deadline_s is not None:
+            delay = min(delay, max(0.0, policy.deadline_s - elapsed))
+        return delay
 
     # ---- latency probe -----------------------------------------------------------------
     async def _ping(self) -> Any:
@@ -509,8 +489,6 @@ class Backend:
     # ---- uploads -----------------------------------------------------------------------
     def make_sink(self, relative: str, stats: CallStats, part_size: int) -> Sink:
         """The sink that makes one shard file durable, part by part."""
-        from dcp_volumes.backends.sink import StreamSink
-
         return StreamSink(self, relative, stats, part_size)
 
     async def stale_uploads(self, older_than_s: float, now: float) -> list[StaleUpload]:

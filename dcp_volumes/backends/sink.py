@@ -8,14 +8,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from dcp_volumes._spool import Part
-from dcp_volumes.backends.base import Backend, CallStats, never_retry
+from dcp_volumes.backends.records import CallStats, never_retry
 
-__all__ = ["Sink", "StreamSink"]
+__all__ = ["Sink", "SinkBackend", "StreamSink"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SinkBackend(Protocol):
+    """What a sink uses of the backend that made it (every
+    :class:`~dcp_volumes.backends.base.Backend` has it): its paths, its choke point and its
+    filesystem. Sinks see no more of the backend, and so do not import it."""
+
+    fs: Any
+
+    def path(self, relative: str) -> str: ...
+
+    def object_url(self, relative: str) -> str: ...
+
+    async def call(self, fn: Callable[[], Awaitable[T]], *, op: str, url: str,
+                   stats: CallStats | None = None,
+                   retry_if: Callable[[BaseException], bool] = ...) -> T: ...
+
+    async def remove(self, relatives: list[str]) -> None: ...
 
 
 class Sink:
@@ -24,7 +45,7 @@ class Sink:
     #: parts must arrive in order (a stream); else they may arrive in any order
     ordered: ClassVar[bool] = False
 
-    def __init__(self, backend: Backend, relative: str, stats: CallStats) -> None:
+    def __init__(self, backend: SinkBackend, relative: str, stats: CallStats) -> None:
         self.backend = backend
         self.relative = relative
         self.path = backend.path(relative)
@@ -56,7 +77,8 @@ class StreamSink(Sink):
 
     ordered = True
 
-    def __init__(self, backend: Backend, relative: str, stats: CallStats, part_size: int) -> None:
+    def __init__(self, backend: SinkBackend, relative: str, stats: CallStats,
+                 part_size: int) -> None:
         super().__init__(backend, relative, stats)
         self._file: Any = None
         self._part_size = part_size

@@ -6,7 +6,7 @@ message strings. :func:`translate_error` maps whatever a client raised onto the
 (:meth:`Backend.call <dcp_volumes.backends.base.Backend.call>`) retries, and
 :func:`is_throttle` which of those retries mean "the store wants fewer requests" (the choke
 point then slows this process's requests to that store down:
-:class:`~dcp_volumes.transfer.adaptive.StoreThrottle`).
+:class:`~dcp_volumes.backends.pacing.StoreThrottle`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ import re
 
 from dcp_volumes import errors
 
-__all__ = ["is_throttle", "is_transient", "redact_url", "status_and_code", "translate_error"]
+__all__ = [
+    "is_throttle",
+    "is_transient",
+    "redact_url",
+    "status_and_code",
+    "throttled_too_long",
+    "translate_error",
+]
 
 # Service error codes (S3 ``Error.Code``) that mean "try again later".
 _TRANSIENT_CODES = frozenset(
@@ -229,3 +236,21 @@ def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolum
     if op in ("download", "list", "read"):
         return errors.DownloadError(f"{op} of {where} failed ({detail})")
     return errors.UploadError(f"{op} of {where} failed ({detail})")
+
+
+def throttled_too_long(exc: BaseException, *, url: str, op: str, answers: int, seconds: float,
+                       deadline_s: float | None) -> errors.DCPVolumesError:
+    """The error of a transfer that the store kept throttling: ``answers`` throttle answers
+    in a row, over ``seconds``, the last request ending in ``exc``."""
+    status, code = status_and_code(exc)
+    detail = code or (f"HTTP {status}" if status else type(exc).__name__)
+    cls = errors.DownloadError if op in ("download", "list", "read") else errors.UploadError
+    deadline = "None" if deadline_s is None else f"{deadline_s:g}s"
+    return cls(
+        f"{op} of {redact_url(url)} failed: the store kept throttling ({answers} throttle "
+        f"answers in a row over {seconds:.1f}s, the last request ending in {detail}; "
+        f"RetryOptions.deadline_s={deadline}); lower TransferOptions.max_concurrency or the "
+        "number of ranks writing at once, spread the keys over prefixes "
+        "(TransferOptions(key_layout='hashed')), or ask the store's operator for higher "
+        "request-rate limits"
+    )

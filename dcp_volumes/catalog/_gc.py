@@ -267,6 +267,22 @@ def _collect(backend: Backend, plan: _Plan, report: GcReport, progress: Progress
         step(1)
 
 
+def _survey(backend: Backend, pattern: re.Pattern[str], now: float,
+            report: GcReport) -> _Plan:
+    """One listing of the root, judged checkpoint by checkpoint: what ``gc`` would remove
+    (in the plan and the report) and which saves are still running."""
+    groups = group(list_objects(backend))
+    plan = _Plan()
+    for info in checkpoints_in(backend, groups, pattern):
+        objs = groups[info.name]
+        running = _running_saves(objs, now, report.older_than_s)
+        plan.running.update(running)
+        if info.complete:
+            _survey_complete(backend, info, objs, now, report, plan, running)
+        else:
+            _survey_incomplete(info, objs, now, report, plan, running)
+    return plan
+
 def gc(
     root: str | os.PathLike[str],
     *,
@@ -308,18 +324,9 @@ def gc(
         raise errors.ConfigError(f"older_than_s must be >= 0, got {older_than_s}")
     pattern = compile_step_pattern(step_pattern)
     backend = open_root(root, storage_options)
-    groups = group(list_objects(backend))
     now = time.time()
     report = GcReport(redact_url(backend.url), dry_run, float(older_than_s))
-    plan = _Plan()
-    for info in checkpoints_in(backend, groups, pattern):
-        objs = groups[info.name]
-        running = _running_saves(objs, now, report.older_than_s)
-        plan.running.update(running)
-        if info.complete:
-            _survey_complete(backend, info, objs, now, report, plan, running)
-        else:
-            _survey_incomplete(info, objs, now, report, plan, running)
+    plan = _survey(backend, pattern, now, report)
     report.uploads = _stale_uploads(backend, older_than_s, now, report, plan.running)
     if dry_run:
         return report

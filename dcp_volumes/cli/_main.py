@@ -13,7 +13,7 @@ and build their fsspec options with :func:`~dcp_volumes.cli._options.storage_opt
 Handlers raise; they never print errors or call ``sys.exit``: :func:`main` turns
 ``dcp_volumes.errors`` exceptions, ``OSError`` and ``ValueError`` into one line
 ``dcp-volumes: error: ...`` on stderr (the traceback only with ``--debug``) and picks the exit
-code. Exit codes (stable; scripts rely on them):
+code. Exit codes (stable; scripts rely on them; defined in :mod:`~dcp_volumes.cli._exit`):
 
 * 0 -- success.
 * 1 -- failure: a store error, or ``verify`` found a mismatch.
@@ -36,6 +36,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from dcp_volumes.cli import bench, lifecycle, plan
+from dcp_volumes.cli._exit import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+)
 from dcp_volumes.errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -53,12 +62,6 @@ __all__ = [
     "build_parser",
     "main",
 ]
-
-PROG = "dcp-volumes"
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_NOT_FOUND = 3
 
 Handler = Callable[[argparse.Namespace], int]
 Registrar = Callable[[Any, argparse.ArgumentParser], None]
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `dcp-volumes ls ... | head`: the reader left. Say nothing; keep the interpreter from
         # complaining again when it flushes stdout at exit.
@@ -161,7 +164,4 @@ def _version() -> str:
 
 def _command_groups() -> tuple[Registrar, ...]:
     """One entry per command group, in ``dcp-volumes --help`` order."""
-    # Imported here, not at the top: the command modules import the exit codes above.
-    from dcp_volumes.cli import bench, lifecycle, plan
-
     return (lifecycle.register, plan.register, bench.register)

@@ -8,9 +8,11 @@ unpickle ``.metadata``); ``ls``, ``latest`` and ``rm`` start fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from dcp_volumes.cli._exit import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, PROG
 from dcp_volumes.cli._format import (
     human_bytes,
     plural,
@@ -20,7 +22,6 @@ from dcp_volumes.cli._format import (
     redact,
     when,
 )
-from dcp_volumes.cli._main import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, PROG
 from dcp_volumes.cli._options import (
     add_step_pattern,
     age_s,
@@ -29,6 +30,7 @@ from dcp_volumes.cli._options import (
     storage_options_for,
     storage_options_parser,
 )
+from dcp_volumes.errors import ConfigError
 
 if TYPE_CHECKING:
     from dcp_volumes.catalog import CheckpointDetails, CheckpointInfo, GcReport, VerifyReport
@@ -75,9 +77,22 @@ def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(handler=_run_ls)
 
 
+def _check_local_tier(directory: str) -> None:
+    """``--local-tier`` must name an existing directory: a typo must not read as an empty
+    tier ("no checkpoints")."""
+    if not os.path.exists(directory):
+        raise ConfigError(f"--local-tier {directory!r} does not exist: pass the "
+                          "LocalTierOptions.directory of this node's saves")
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--local-tier {directory!r} is not a directory: pass the "
+                          "LocalTierOptions.directory of this node's saves")
+
+
 def _run_ls(args: argparse.Namespace) -> int:
     from dcp_volumes.catalog import list_checkpoints
 
+    if args.local_tier is not None:
+        _check_local_tier(args.local_tier)  # before any request to the store
     kwargs = {} if args.check is None else {"check": args.check}
     infos = list_checkpoints(
         args.root,

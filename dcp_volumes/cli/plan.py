@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from dcp_volumes.cli._exit import EXIT_OK
 from dcp_volumes.cli._format import print_json
-from dcp_volumes.cli._main import EXIT_OK
 from dcp_volumes.cli._options import gpu_count, non_negative_float, positive_float, positive_or_inf
 from dcp_volumes.cli._plot import plot_goodput
 from dcp_volumes.errors import ConfigError

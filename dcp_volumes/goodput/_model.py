@@ -8,6 +8,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dcp_volumes.errors import ConfigError
+from dcp_volumes.goodput._checks import (
+    MAX_DURATION_S,
+    MIN_FLEET_MTBF_HOURS,
+    count,
+    finite_or_none,
+    mttf,
+    non_negative,
+    positive,
+)
 
 HOURS_PER_YEAR = 8760.0
 """Hours in the (non-leap) year that annualised failure rates are quoted against."""
@@ -26,55 +35,8 @@ DEFAULT_INTERVALS_S: tuple[float, ...] = (
 )
 """Candidate checkpoint intervals that :func:`plan_intervals` tabulates by default."""
 
-# The first-order model drops terms of order ((τ+δ)/M)²; past this ratio they stop being small.
-_FIRST_ORDER_LIMIT = 0.1
-
 Method = Literal["young", "daly"]
 RowKind = Literal["candidate", "young", "daly"]
-
-
-# --------------------------------------------------------------------------------------------
-# Validation helpers: every message names the argument and says what to pass instead.
-
-
-def _number(name: str, value: object) -> float:
-    # bool is an int subclass; True GPUs or an AFR of False is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if math.isnan(value):
-        raise ConfigError(f"{name} is NaN; pass a real number")
-    return float(value)
-
-
-def _non_negative(name: str, value: object, *, allow_inf: bool = False) -> float:
-    x = _number(name, value)
-    if x < 0:
-        raise ConfigError(f"{name} must be >= 0, got {x:g}")
-    if math.isinf(x) and not allow_inf:
-        raise ConfigError(f"{name} must be finite, got {x:g}")
-    return x
-
-
-def _positive(name: str, value: object, *, allow_inf: bool = False) -> float:
-    x = _number(name, value)
-    if x <= 0:
-        raise ConfigError(f"{name} must be > 0, got {x:g}")
-    if math.isinf(x) and not allow_inf:
-        raise ConfigError(f"{name} must be finite, got {x:g}")
-    return x
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be a whole number of GPUs, got {value!r}")
-    if value < 1:
-        raise ConfigError(f"{name} must be at least 1, got {value}")
-    return value
-
-
-def _mttf(name: str, value: object) -> float:
-    # M = inf (no failures) is legal everywhere; M = 0 would mean failing continuously.
-    return _positive(name, value, allow_inf=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,7 +71,7 @@ class FailureModel:
     fleet_gpus: int | None = None
 
     def __post_init__(self) -> None:
-        _count("gpus", self.gpus)
+        count("gpus", self.gpus)
         has_fleet = self.fleet_mtbf_hours is not None or self.fleet_gpus is not None
         if self.afr is None and not has_fleet:
             raise ConfigError(
@@ -121,7 +83,7 @@ class FailureModel:
                 "give afr or fleet_mtbf_hours + fleet_gpus, not both; drop one of them"
             )
         if self.afr is not None:
-            afr = _non_negative("afr", self.afr)
+            afr = non_negative("afr", self.afr)
             if afr > 1:
                 raise ConfigError(
                     f"afr is a fraction per GPU-year (0.05 means 5 %), got {afr:g}; "
@@ -132,8 +94,15 @@ class FailureModel:
         if self.fleet_mtbf_hours is None or self.fleet_gpus is None:
             missing = "fleet_gpus" if self.fleet_gpus is None else "fleet_mtbf_hours"
             raise ConfigError(f"fleet_mtbf_hours and fleet_gpus go together; also pass {missing}")
-        _positive("fleet_mtbf_hours", self.fleet_mtbf_hours, allow_inf=True)
-        _count("fleet_gpus", self.fleet_gpus)
+        hours = positive("fleet_mtbf_hours", self.fleet_mtbf_hours, allow_inf=True,
+                         at_most=MAX_DURATION_S / 3600.0)
+        if hours < MIN_FLEET_MTBF_HOURS:
+            raise ConfigError(
+                f"fleet_mtbf_hours must be at least {MIN_FLEET_MTBF_HOURS:.3g} h (one second; "
+                f"valid range: {MIN_FLEET_MTBF_HOURS:.3g} to {MAX_DURATION_S / 3600.0:g} h, or "
+                f"inf for no failure observed), got {hours:g}"
+            )
+        count("fleet_gpus", self.fleet_gpus)
 
     @classmethod
     def from_afr(cls, afr: float, /, *, gpus: int) -> FailureModel:
@@ -183,9 +152,9 @@ class FailureModel:
         return {
             "gpus": self.gpus,
             "afr": self.afr,
-            "fleet_mtbf_hours": _finite_or_none(self.fleet_mtbf_hours),
+            "fleet_mtbf_hours": finite_or_none(self.fleet_mtbf_hours),
             "fleet_gpus": self.fleet_gpus,
-            "mttf_hours": _finite_or_none(self.mttf_hours),
+            "mttf_hours": finite_or_none(self.mttf_hours),
         }
 
 
@@ -203,8 +172,8 @@ def interruption_probability(*, duration_s: float, mttf_s: float) -> float:
     Raises:
         ConfigError: A negative or NaN argument, or ``mttf_s`` of 0.
     """
-    d = _non_negative("duration_s", duration_s, allow_inf=True)
-    m = _mttf("mttf_s", mttf_s)
+    d = non_negative("duration_s", duration_s, allow_inf=True)
+    m = mttf("mttf_s", mttf_s)
     if math.isinf(m):
         return 0.0
     return -math.expm1(-d / m)
@@ -216,8 +185,8 @@ def expected_rework_s(interval_s: float, *, restart_cost_s: float = 0.0) -> floa
     A failure lands uniformly within the interval since the last checkpoint, so on average
     ``τ/2`` of progress is redone after paying ``R`` to restart (reschedule, load, warm up).
     """
-    tau = _positive("interval_s", interval_s)
-    r = _non_negative("restart_cost_s", restart_cost_s)
+    tau = positive("interval_s", interval_s)
+    r = non_negative("restart_cost_s", restart_cost_s)
     return tau / 2.0 + r
 
 
@@ -228,8 +197,8 @@ def young_interval_s(*, checkpoint_cost_s: float, mttf_s: float) -> float:
         checkpoint_cost_s: Time training is blocked by one checkpoint ``δ`` (> 0).
         mttf_s: The job's mean time to failure ``M``.
     """
-    delta = _positive("checkpoint_cost_s", checkpoint_cost_s)
-    m = _mttf("mttf_s", mttf_s)
+    delta = positive("checkpoint_cost_s", checkpoint_cost_s)
+    m = mttf("mttf_s", mttf_s)
     return math.sqrt(2.0 * delta * m)
 
 
@@ -243,8 +212,8 @@ def daly_interval_s(*, checkpoint_cost_s: float, mttf_s: float) -> float:
         checkpoint_cost_s: Time training is blocked by one checkpoint ``δ`` (> 0).
         mttf_s: The job's mean time to failure ``M``.
     """
-    delta = _positive("checkpoint_cost_s", checkpoint_cost_s)
-    m = _mttf("mttf_s", mttf_s)
+    delta = positive("checkpoint_cost_s", checkpoint_cost_s)
+    m = mttf("mttf_s", mttf_s)
     if math.isinf(m):
         return math.inf
     if delta >= 2.0 * m:
@@ -275,14 +244,10 @@ def expected_goodput(
     Returns:
         Goodput in ``[0, 1]``.
     """
-    tau = _positive("interval_s", interval_s)
-    delta = _non_negative("checkpoint_cost_s", checkpoint_cost_s)
-    m = _mttf("mttf_s", mttf_s)
-    r = _non_negative("restart_cost_s", restart_cost_s)
+    tau = positive("interval_s", interval_s)
+    delta = non_negative("checkpoint_cost_s", checkpoint_cost_s)
+    m = mttf("mttf_s", mttf_s)
+    r = non_negative("restart_cost_s", restart_cost_s)
     segment = tau + delta
     loss = 0.0 if math.isinf(m) else (r + segment / 2.0) / m
     return max(0.0, tau / segment * (1.0 - loss))
-
-
-def _finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

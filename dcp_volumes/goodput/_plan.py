@@ -8,16 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_volumes.errors import ConfigError
+from dcp_volumes.goodput._checks import (
+    FIRST_ORDER_LIMIT,
+    MAX_DURATION_S,
+    finite_or_none,
+    non_negative,
+    positive,
+)
 from dcp_volumes.goodput._durations import format_duration
 from dcp_volumes.goodput._model import (
-    _FIRST_ORDER_LIMIT,
     DEFAULT_INTERVALS_S,
     FailureModel,
     Method,
     RowKind,
-    _finite_or_none,
-    _non_negative,
-    _positive,
     daly_interval_s,
     expected_goodput,
     expected_rework_s,
@@ -119,14 +122,14 @@ class Plan:
     def first_order_limit_s(self) -> float:
         """The longest interval ``τ`` the first-order model can be trusted at: where
         ``τ + δ`` reaches ``M/10`` (``inf`` without failures)."""
-        return _FIRST_ORDER_LIMIT * self.failure_model.mttf_s - self.checkpoint_cost_s
+        return FIRST_ORDER_LIMIT * self.failure_model.mttf_s - self.checkpoint_cost_s
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; infinities become ``None`` so ``json.dumps`` stays standard."""
         opt = self.optimum
         return {
             "failure_model": self.failure_model.to_dict(),
-            "mttf_hours": _finite_or_none(self.mttf_hours),
+            "mttf_hours": finite_or_none(self.mttf_hours),
             "checkpoint_cost_s": self.checkpoint_cost_s,
             "checkpoint_cost_source": self.cost_source,
             "restart_cost_s": self.restart_cost_s,
@@ -175,34 +178,17 @@ def plan_intervals(
         ConfigError: A negative, NaN or zero value where it makes no sense, an empty
             ``intervals_s`` or an unknown ``method``.
     """
-    if not isinstance(failure_model, FailureModel):
-        raise ConfigError(
-            f"failure_model must be a FailureModel, got {type(failure_model).__name__}"
-        )
-    delta = _positive("checkpoint_cost_s", checkpoint_cost_s)
-    r = _non_negative("restart_cost_s", restart_cost_s)
-    d_hours = None if job_hours is None else _positive("job_hours", job_hours)
-    if method not in ("young", "daly"):
-        raise ConfigError(f"method must be 'young' or 'daly', got {method!r}")
-    taus = sorted({_positive("each of intervals_s", t) for t in intervals_s})
-    if not taus:
-        raise ConfigError("intervals_s is empty; pass at least one candidate interval")
-
+    delta, r, d_hours, taus = _plan_inputs(failure_model, checkpoint_cost_s, restart_cost_s,
+                                           job_hours, intervals_s, method)
     m = failure_model.mttf_s
 
     def row(tau: float, kind: RowKind) -> IntervalRow:
         return _interval_row(tau, kind, delta=delta, m=m, restart_s=r, job_hours=d_hours)
 
-    young = daly = None
-    if math.isfinite(m):
-        young = row(young_interval_s(checkpoint_cost_s=delta, mttf_s=m), "young")
-        daly = row(daly_interval_s(checkpoint_cost_s=delta, mttf_s=m), "daly")
-
-    p_int = expected = None
-    if d_hours is not None:
-        p_int = interruption_probability(duration_s=d_hours * 3600.0, mttf_s=m)
-        expected = 0.0 if math.isinf(m) else d_hours * 3600.0 / m
-
+    finite = math.isfinite(m)
+    young = row(young_interval_s(checkpoint_cost_s=delta, mttf_s=m), "young") if finite else None
+    daly = row(daly_interval_s(checkpoint_cost_s=delta, mttf_s=m), "daly") if finite else None
+    p_int, expected = _job_odds(d_hours, m)
     rows = tuple(row(t, "candidate") for t in taus)
     return Plan(
         failure_model=failure_model,
@@ -220,6 +206,35 @@ def plan_intervals(
     )
 
 
+def _plan_inputs(failure_model: object, checkpoint_cost_s: float, restart_cost_s: float,
+                 job_hours: float | None, intervals_s: Sequence[float], method: str
+                 ) -> tuple[float, float, float | None, list[float]]:
+    """The validated ``(δ, R, D in hours, sorted intervals)`` of :func:`plan_intervals`."""
+    if not isinstance(failure_model, FailureModel):
+        raise ConfigError(
+            f"failure_model must be a FailureModel, got {type(failure_model).__name__}"
+        )
+    delta = positive("checkpoint_cost_s", checkpoint_cost_s, at_most=MAX_DURATION_S)
+    r = non_negative("restart_cost_s", restart_cost_s, at_most=MAX_DURATION_S)
+    d_hours = None if job_hours is None else positive("job_hours", job_hours,
+                                                      at_most=MAX_DURATION_S / 3600.0)
+    if method not in ("young", "daly"):
+        raise ConfigError(f"method must be 'young' or 'daly', got {method!r}")
+    taus = sorted({positive("each of intervals_s", t, at_most=MAX_DURATION_S)
+                   for t in intervals_s})
+    if not taus:
+        raise ConfigError("intervals_s is empty; pass at least one candidate interval")
+    return delta, r, d_hours, taus
+
+
+def _job_odds(d_hours: float | None, m: float) -> tuple[float | None, float | None]:
+    """The chance of an interruption over a job of ``d_hours`` and its expected failures."""
+    if d_hours is None:
+        return None, None
+    p_int = interruption_probability(duration_s=d_hours * 3600.0, mttf_s=m)
+    return p_int, 0.0 if math.isinf(m) else d_hours * 3600.0 / m
+
+
 def _interval_row(
     tau: float, kind: RowKind, *, delta: float, m: float, restart_s: float, job_hours: float | None
 ) -> IntervalRow:
@@ -230,7 +245,7 @@ def _interval_row(
         overhead=delta / (tau + delta),
         rework_s=expected_rework_s(tau, restart_cost_s=restart_s),
         lost_hours=None if job_hours is None else job_hours * (1.0 - g),
-        first_order_ok=(tau + delta) <= _FIRST_ORDER_LIMIT * m,
+        first_order_ok=(tau + delta) <= FIRST_ORDER_LIMIT * m,
         kind=kind,
     )
 

@@ -35,14 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_volumes.errors import ConfigError
-from dcp_volumes.goodput._durations import format_duration
-from dcp_volumes.goodput._model import (
-    _FIRST_ORDER_LIMIT,
-    FailureModel,
-    _finite_or_none,
-    _non_negative,
-    _positive,
+from dcp_volumes.goodput._checks import (
+    FIRST_ORDER_LIMIT,
+    MAX_DURATION_S,
+    finite_or_none,
+    non_negative,
+    positive,
 )
+from dcp_volumes.goodput._durations import format_duration
+from dcp_volumes.goodput._model import FailureModel
 
 __all__ = [
     "TierCosts",
@@ -89,8 +90,8 @@ class TierCosts:
     restart_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("local_save_s", self.local_save_s)
-        _positive("remote_save_s", self.remote_save_s)
+        positive("local_save_s", self.local_save_s, at_most=MAX_DURATION_S)
+        positive("remote_save_s", self.remote_save_s, at_most=MAX_DURATION_S)
         for name in (
             "local_complete_s",
             "remote_complete_s",
@@ -98,8 +99,8 @@ class TierCosts:
             "remote_restore_s",
             "restart_s",
         ):
-            _non_negative(name, getattr(self, name))
-        p = _non_negative("local_survives", self.local_survives)
+            non_negative(name, getattr(self, name), at_most=MAX_DURATION_S)
+        p = non_negative("local_survives", self.local_survives)
         if p >= 1.0:
             raise ConfigError(
                 f"local_survives is the share of failures the local tier survives, in [0, 1), "
@@ -127,8 +128,8 @@ def _overhead_per_work(local_s: float, remote_s: float, costs: TierCosts) -> flo
 
 
 def _check_pair(local_interval_s: float, remote_interval_s: float) -> tuple[float, float]:
-    tl = _positive("local_interval_s", local_interval_s)
-    tr = _positive("remote_interval_s", remote_interval_s)
+    tl = positive("local_interval_s", local_interval_s)
+    tr = positive("remote_interval_s", remote_interval_s)
     if tl > tr:
         raise ConfigError(
             f"local_interval_s ({format_duration(tl)}) is longer than remote_interval_s "
@@ -164,7 +165,7 @@ def two_level_goodput(
         ConfigError: A non-positive interval, or the local interval longer than the remote.
     """
     tl, tr = _check_pair(local_interval_s, remote_interval_s)
-    m = _positive("mttf_s", mttf_s, allow_inf=True)
+    m = positive("mttf_s", mttf_s, allow_inf=True)
     c = _overhead_per_work(tl, tr, costs)
     loss = 0.0 if math.isinf(m) else expected_loss_per_failure_s(tl, tr, costs=costs) / m
     return max(0.0, (1.0 - loss) / (1.0 + c))
@@ -177,7 +178,7 @@ def two_level_intervals_s(*, costs: TierCosts, mttf_s: float) -> tuple[float, fl
     otherwise ``τ_L = τ_R = √(2·δ_R·M)`` (local-only saves do not pay: every save durable).
     Both are ``inf`` when ``M`` is ``inf``.
     """
-    m = _positive("mttf_s", mttf_s, allow_inf=True)
+    m = positive("mttf_s", mttf_s, allow_inf=True)
     if math.isinf(m):
         return math.inf, math.inf
     p, dl, dr = costs.local_survives, costs.local_save_s, costs.remote_save_s
@@ -220,8 +221,8 @@ class TwoLevelRow:
         """JSON-ready form; infinities become ``None``."""
         return {
             "name": self.name,
-            "local_interval_s": _finite_or_none(self.local_interval_s),
-            "remote_interval_s": _finite_or_none(self.remote_interval_s),
+            "local_interval_s": finite_or_none(self.local_interval_s),
+            "remote_interval_s": finite_or_none(self.remote_interval_s),
             "goodput": self.goodput,
             "overhead": self.overhead,
             "loss_per_failure_s": self.loss_per_failure_s,
@@ -256,7 +257,7 @@ class TwoLevelPlan:
         return {
             "model": "two-level",
             "failure_model": self.failure_model.to_dict(),
-            "mttf_hours": _finite_or_none(self.failure_model.mttf_hours),
+            "mttf_hours": finite_or_none(self.failure_model.mttf_hours),
             "costs": self.costs.to_dict(),
             "job_hours": self.job_hours,
             "rows": [r.to_dict() for r in self.rows],
@@ -293,17 +294,38 @@ def plan_two_level(
         )
     if not isinstance(costs, TierCosts):
         raise ConfigError(f"costs must be a TierCosts, got {type(costs).__name__}")
-    d_hours = None if job_hours is None else _positive("job_hours", job_hours)
+    d_hours = None if job_hours is None else positive("job_hours", job_hours,
+                                                      at_most=MAX_DURATION_S / 3600.0)
     m = failure_model.mttf_s
-    n = failure_model.gpus
-    warnings: list[str] = []
     if math.isinf(m):
         raise ConfigError(
             "the failure rate is zero: no interval is optimal and a local tier cannot pay "
             "for itself; give a failure rate above 0"
         )
 
-    remote_only = TierCosts(
+    def make(name: str, tl: float, tr: float, c: TierCosts, local: bool) -> TwoLevelRow:
+        return _two_level_row(name, tl, tr, c, local=local, mttf_s=m, gpus=failure_model.gpus,
+                              job_hours=d_hours)
+
+    t1 = math.sqrt(2.0 * costs.remote_save_s * m)
+    tl, tr = two_level_intervals_s(costs=costs, mttf_s=m)
+    rows = [make("remote-only", t1, t1, _remote_only(costs), False),
+            make("two-tier", tl, tr, costs, True)]
+    if given is not None:
+        gl, gr = _check_pair(*given)
+        rows.append(make("given", gl, gr, costs, True))
+    return TwoLevelPlan(
+        failure_model=failure_model,
+        costs=costs,
+        job_hours=d_hours,
+        rows=tuple(rows),
+        warnings=_two_level_warnings(rows, costs, mttf_s=m, same_intervals=tl == tr),
+    )
+
+
+def _remote_only(costs: TierCosts) -> TierCosts:
+    """The costs of the same job without a local tier: every restart from the store."""
+    return TierCosts(
         local_save_s=costs.remote_save_s,
         remote_save_s=costs.remote_save_s,
         local_survives=0.0,
@@ -312,32 +334,32 @@ def plan_two_level(
         restart_s=costs.restart_s,
     )
 
-    def make(name: str, tl: float, tr: float, c: TierCosts, local: bool) -> TwoLevelRow:
-        g = two_level_goodput(tl, tr, costs=c, mttf_s=m)
-        over = _overhead_per_work(tl, tr, c)
-        return TwoLevelRow(
-            name=name,
-            local_interval_s=tl if local else None,
-            remote_interval_s=tr,
-            goodput=g,
-            overhead=over / (1 + over),
-            loss_per_failure_s=expected_loss_per_failure_s(tl, tr, costs=c),
-            lost_gpu_hours_per_day=n * 24.0 * (1 - g),
-            lost_gpu_hours=None if d_hours is None else n * d_hours * (1 - g),
-            first_order_ok=tr + c.remote_save_s <= _FIRST_ORDER_LIMIT * m,
-        )
 
-    t1 = math.sqrt(2.0 * costs.remote_save_s * m)
-    tl, tr = two_level_intervals_s(costs=costs, mttf_s=m)
-    rows = [make("remote-only", t1, t1, remote_only, False), make("two-tier", tl, tr, costs, True)]
-    if given is not None:
-        gl, gr = _check_pair(*given)
-        rows.append(make("given", gl, gr, costs, True))
-    if tl == tr:
+def _two_level_row(name: str, tl: float, tr: float, c: TierCosts, *, local: bool,
+                   mttf_s: float, gpus: int, job_hours: float | None) -> TwoLevelRow:
+    g = two_level_goodput(tl, tr, costs=c, mttf_s=mttf_s)
+    over = _overhead_per_work(tl, tr, c)
+    return TwoLevelRow(
+        name=name,
+        local_interval_s=tl if local else None,
+        remote_interval_s=tr,
+        goodput=g,
+        overhead=over / (1 + over),
+        loss_per_failure_s=expected_loss_per_failure_s(tl, tr, costs=c),
+        lost_gpu_hours_per_day=gpus * 24.0 * (1 - g),
+        lost_gpu_hours=None if job_hours is None else gpus * job_hours * (1 - g),
+        first_order_ok=tr + c.remote_save_s <= FIRST_ORDER_LIMIT * mttf_s,
+    )
+
+
+def _two_level_warnings(rows: list[TwoLevelRow], costs: TierCosts, *, mttf_s: float,
+                        same_intervals: bool) -> tuple[str, ...]:
+    warnings: list[str] = []
+    if same_intervals:
         warnings.append(
             "local-only saves do not pay with these costs (local save not cheaper than a "
             "durable one, or too few failures survive locally): every save durable, at "
-            f"{format_duration(tr)}"
+            f"{format_duration(rows[1].remote_interval_s)}"
         )
     for r in rows:
         if r.remote_interval_s < costs.remote_complete_s:
@@ -348,13 +370,7 @@ def plan_two_level(
             )
         if not r.first_order_ok:
             warnings.append(
-                f"{r.name}: τ_R+δ_R is above M/10 (M = {format_duration(m)}); the first-order "
+                f"{r.name}: τ_R+δ_R is above M/10 (M = {format_duration(mttf_s)}); the first-order "
                 "model is unreliable there"
             )
-    return TwoLevelPlan(
-        failure_model=failure_model,
-        costs=costs,
-        job_hours=d_hours,
-        rows=tuple(rows),
-        warnings=tuple(warnings),
-    )
+    return tuple(warnings)

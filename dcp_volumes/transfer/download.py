@@ -30,6 +30,62 @@ class RangeRequest:
     items: list[Any] = field(default_factory=list)
 
 
+class _Fetches:
+    """The event-loop side of :func:`fetch_ranges`: one task per range, results on a queue."""
+
+    def __init__(self, backend: Backend, *, max_concurrency: int, chunk_size: int,
+                 stats: CallStats,
+                 on_missing: Callable[[RangeRequest, BaseException], BaseException]) -> None:
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.stats = stats
+        self.on_missing = on_missing
+        self.results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
+        self.cancel = threading.Event()
+        self.inflight = backend.run(lambda: _make_semaphore(max_concurrency))
+        #: fetched ranges that may wait for the consumer (released as it takes them)
+        self.slots = backend.run(lambda: _make_semaphore(2 * max_concurrency))
+
+    async def all(self, ranges: list[RangeRequest]) -> None:
+        await asyncio.gather(*(self._one(r) for r in ranges))
+
+    def release_slot(self) -> None:
+        """Called from the consumer's thread: one more range may be fetched."""
+        self.backend.loop.call_soon_threadsafe(self.slots.release)
+
+    async def _one(self, req: RangeRequest) -> None:
+        await self.slots.acquire()
+        if self.cancel.is_set():
+            self.slots.release()
+            return
+        try:
+            data = await self._fetch_one(req)
+            self.results.put((req, data))
+        except BaseException as exc:  # noqa: BLE001 — handed to the consumer
+            self.slots.release()
+            if isinstance(exc, errors.ObjectNotFoundError):
+                exc = self.on_missing(req, exc)
+            self.results.put((None, exc))
+
+    async def _get(self, req: RangeRequest, start: int, end: int) -> bytes:
+        async with self.inflight:
+            return await self.backend.cat(req.relative, start=start, end=end, stats=self.stats)
+
+    async def _fetch_one(self, req: RangeRequest) -> bytes | bytearray:
+        chunk_size = self.chunk_size
+        if req.end - req.start <= chunk_size:
+            return await self._get(req, req.start, req.end)
+        # One large item: parallel ranged GETs of chunk_size, assembled in place.
+        bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
+        chunks = await asyncio.gather(*(self._get(req, a, b) for a, b in bounds))
+        out = bytearray(sum(len(c) for c in chunks))
+        pos = 0
+        for chunk in chunks:
+            out[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return out
+
+
 def fetch_ranges(
     backend: Backend,
     ranges: list[RangeRequest],
@@ -45,64 +101,26 @@ def fetch_ranges(
     fetched ranges wait for the consumer, which bounds memory. A range larger than
     ``chunk_size`` (one large item) is fetched as parallel GETs of ``chunk_size``.
     """
-    results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
-    cancel = threading.Event()
-    inflight = backend.run(lambda: _make_semaphore(max_concurrency))
-    slots = backend.run(lambda: _make_semaphore(2 * max_concurrency))
-
-    async def _one(req: RangeRequest) -> None:
-        await slots.acquire()
-        if cancel.is_set():
-            slots.release()
-            return
-        try:
-            data = await _fetch_one(req)
-            results.put((req, data))
-        except BaseException as exc:  # noqa: BLE001 — handed to the consumer
-            slots.release()
-            if isinstance(exc, errors.ObjectNotFoundError):
-                exc = on_missing(req, exc)
-            results.put((None, exc))
-
-    async def _get(req: RangeRequest, start: int, end: int) -> bytes:
-        async with inflight:
-            return await backend.cat(req.relative, start=start, end=end, stats=stats)
-
-    async def _fetch_one(req: RangeRequest) -> bytes | bytearray:
-        size = req.end - req.start
-        if size <= chunk_size:
-            return await _get(req, req.start, req.end)
-        # One large item: parallel ranged GETs of chunk_size, assembled in place.
-        bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
-        chunks = await asyncio.gather(*(_get(req, a, b) for a, b in bounds))
-        out = bytearray(sum(len(c) for c in chunks))
-        pos = 0
-        for chunk in chunks:
-            out[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
-        return out
-
-    async def _all() -> None:
-        await asyncio.gather(*(_one(r) for r in ranges))
-
-    done = asyncio.run_coroutine_threadsafe(_all(), backend.loop)
+    fetches = _Fetches(backend, max_concurrency=max_concurrency, chunk_size=chunk_size,
+                       stats=stats, on_missing=on_missing)
+    done = asyncio.run_coroutine_threadsafe(fetches.all(ranges), backend.loop)
     try:
         for _ in range(len(ranges)):
-            req, payload = results.get()
+            req, payload = fetches.results.get()
             if req is None:
                 raise payload
             try:
                 yield req, payload
             finally:
-                backend.loop.call_soon_threadsafe(slots.release)
+                fetches.release_slot()
         done.result()
     finally:
         if not done.done():
             # Stopped early (an error, or the consumer gave up): wake every waiting fetch so
             # it sees `cancel` and returns; the first error was already raised.
-            cancel.set()
+            fetches.cancel.set()
             for _ in range(len(ranges)):
-                backend.loop.call_soon_threadsafe(slots.release)
+                fetches.release_slot()
             with contextlib.suppress(BaseException):
                 done.result(timeout=120)
 

@@ -3,7 +3,7 @@
 Serialization runs in the caller's thread; every network call runs on the backend's event
 loop, through the backend's choke point, with at most ``limit`` parts in flight
 (:class:`~dcp_volumes.transfer.adaptive.AdaptiveLimit`; it follows the process's
-:class:`~dcp_volumes.transfer.adaptive.StoreThrottle` for the store, ``backend.throttle``,
+:class:`~dcp_volumes.backends.pacing.StoreThrottle` for the store, ``backend.throttle``,
 when the store throttles). Each shard file goes to the store
 through the backend's *sink* (:meth:`Backend.make_sink`): S3 multipart, Azure staged
 blocks, local ``pwrite``, or the filesystem's own ordered stream.
@@ -71,6 +71,8 @@ class FileUpload:
             if up.failed:
                 return
             async with up.limit.slot(part.length):
+                if up.failed:  # failed while this part waited for its slot
+                    return
                 data = await asyncio.to_thread(self.spool.read, part)
                 await self.sink.put_part(part, data)
                 up.add_bytes(part.length)

@@ -22,7 +22,7 @@ from _cli import run_cli as dcpv
 
 from dcp_volumes import VolumeWriter
 from dcp_volumes._compat import no_dist
-from dcp_volumes.cli._main import EXIT_NOT_FOUND
+from dcp_volumes.cli._exit import EXIT_NOT_FOUND
 from dcp_volumes.cli._options import key_value, storage_options_for
 from dcp_volumes.testing.servers import LocalServer, start_server
 

@@ -187,7 +187,7 @@ def test_without_the_reaction_the_same_save_retries_more(throttled_on, throttled
 @pytest.mark.servers
 def test_a_throttled_load_paces_with_the_writers_throttle(seaweedfs: Any) -> None:
     """Downloads go through the same per-(process, store) pacer as uploads."""
-    from dcp_volumes.transfer import adaptive
+    from dcp_volumes.backends import pacing
 
     store = seaweedfs.store()
     opts, proxy = store.proxied_options()
@@ -211,7 +211,7 @@ def test_a_throttled_load_paces_with_the_writers_throttle(seaweedfs: Any) -> Non
         assert reader.last_stats.retries > 0
     finally:
         proxy.remove_rate_limit(limit)
-        adaptive._throttles.pop(throttle.key, None)  # later tests start unpaced
+        pacing._throttles.pop(throttle.key, None)  # later tests start unpaced
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,3 +278,54 @@ def test_hashed_layout_spreads_requests_and_loads_with_fsspec_reader(seaweedfs: 
         state = {k: torch.zeros_like(v) for k, v in expected.items()}
         dcp.load(state, storage_reader=reader, no_dist=True)
         assert all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# a store that throttles every upload (issue 18 #6)
+
+#: one request's deadline, small so that the test takes seconds; attempts are not the bound
+STORM_RETRY_DEADLINE_S = 1.5
+
+
+@pytest.mark.servers
+def test_a_store_throttling_every_upload_fails_the_save_in_about_one_deadline(
+        seaweedfs: Any) -> None:
+    """Every PUT answered SlowDown: the save fails within a small multiple of
+    RetryOptions.deadline_s (not one deadline per part, as it did: 249 s for 64 MiB), with an
+    error that says the store kept throttling and what to change."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_volumes import RetryOptions, errors
+    from dcp_volumes.backends import pacing
+    from dcp_volumes.testing._suite_support import failures_of
+
+    store = seaweedfs.store()
+    opts, proxy = store.proxied_options()
+    url = f"{store.root}/storm-{uuid.uuid4().hex[:6]}"
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(2 << 20, generator=g) for i in range(4)}  # 4 × 8 MiB
+    writer = VolumeWriter(
+        url, storage_options=opts, spool=SpoolOptions(files_per_rank=2),
+        transfer=TransferOptions(part_size=5 << 20, max_concurrency=4),
+        retry=RetryOptions(max_attempts=50, initial_backoff_s=0.01, max_backoff_s=0.05,
+                           deadline_s=STORM_RETRY_DEADLINE_S),
+    )
+    throttle = writer._backend().throttle
+    assert throttle is not None
+    # every shard PUT (parts and single-part objects); the save's small records go through
+    rule = proxy.add_rule(s3_slowdown(method="PUT", path_regex=r"\.distcp", times=None))
+    started = time.monotonic()
+    try:
+        with pytest.raises(CheckpointException) as info:
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        elapsed = time.monotonic() - started
+        assert proxy.stats.rule(rule).injected > 0
+    finally:
+        proxy.remove_rule(rule)
+        pacing._throttles.pop(throttle.key, None)  # later tests start unpaced
+    (err,) = failures_of(info.value)
+    assert isinstance(err, errors.UploadError), repr(err)
+    message = str(err)
+    assert "kept throttling" in message and "throttle answers in a row" in message
+    assert "max_concurrency" in message and "deadline_s" in message
+    assert elapsed < 4 * STORM_RETRY_DEADLINE_S + 4.0, elapsed

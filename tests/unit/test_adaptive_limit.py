@@ -1,5 +1,5 @@
-"""The upload concurrency controller against simulated stores (event-loop time, no I/O),
-and the reaction to throttling: which answers count as throttles, the per-store AIMD rate
+"""The upload concurrency controller against simulated stores (on a virtual clock: no I/O,
+no real sleeps), and the reaction to throttling: which answers count as throttles, the per-store AIMD rate
 (:class:`StoreThrottle`, on a fake clock), the limit following its cuts, and the choke point
 reporting to it.
 
@@ -15,26 +15,68 @@ import asyncio
 import itertools
 import pickle
 import random
+import selectors
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 from _error_shapes import AzureErrorShape, ClientErrorShape, HttpErrorShape
 
 from dcp_volumes import errors
-from dcp_volumes.backends import open_backend
+from dcp_volumes.backends import open_backend, pacing
 from dcp_volumes.backends.base import CallStats
-from dcp_volumes.backends.translate import is_throttle, is_transient
-from dcp_volumes.config import RetryOptions, TransferOptions
-from dcp_volumes.transfer import adaptive
-from dcp_volumes.transfer.adaptive import (
+from dcp_volumes.backends.pacing import (
     MIN_RATE,
-    NEAR_START,
     RATE_CUT,
     RATE_PROBE,
     RATE_RECOVERY,
-    AdaptiveLimit,
     StoreThrottle,
     store_throttle,
 )
+from dcp_volumes.backends.translate import is_throttle, is_transient
+from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.transfer import adaptive
+from dcp_volumes.transfer.adaptive import NEAR_START, AdaptiveLimit
+
+T = TypeVar("T")
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Never blocks: a wait for ``timeout`` seconds moves the loop's clock on instead."""
+
+    def __init__(self, loop: _VirtualTimeLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> Any:
+        if timeout is None:
+            raise RuntimeError("deadlock: every task waits and no timer is due")
+        self._loop.now += max(timeout, 0.0)
+        return super().select(0)
+
+
+class _VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on a virtual clock (like trio's ``MockClock(autojump_threshold=0)``):
+    when every task waits, time jumps to the next timer, so ``asyncio.sleep`` takes no real
+    time and a simulated store's timings are exact, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        super().__init__(_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+def _virtual_run(main: Callable[[], Awaitable[T]]) -> T:
+    """Run ``main()`` on a fresh virtual-time loop."""
+    with asyncio.Runner(loop_factory=_VirtualTimeLoop) as runner:
+        return runner.run(main())  # type: ignore[arg-type]
+
+
+def _now() -> float:
+    """The running (virtual) loop's clock: the ``clock`` of AdaptiveLimit and StoreThrottle."""
+    return asyncio.get_running_loop().time()
 
 
 async def _one(limit: AdaptiveLimit, serve) -> None:
@@ -45,12 +87,12 @@ async def _one(limit: AdaptiveLimit, serve) -> None:
 def _run_fresh(maximum: int, serve_factory, parts: int) -> AdaptiveLimit:
     """``parts`` parts, all queued at once, through a fresh limit against one store."""
     async def main() -> AdaptiveLimit:
-        limit = AdaptiveLimit(maximum)
+        limit = AdaptiveLimit(maximum, clock=_now)
         serve = serve_factory()
         await asyncio.gather(*(_one(limit, serve) for _ in range(parts)))
         return limit
 
-    return asyncio.run(main())
+    return _virtual_run(main)
 
 
 def _cpu_bound_store(service_s: float):
@@ -87,40 +129,40 @@ def test_far_store_climbs_to_the_maximum() -> None:
 
 def test_slow_first_request_starts_at_the_maximum() -> None:
     async def main() -> AdaptiveLimit:
-        limit = AdaptiveLimit(16)
+        limit = AdaptiveLimit(16, clock=_now)
         limit.note_latency(0.03)
         limit.note_latency(0.0001)  # only the first one counts
         return limit
 
-    limit = asyncio.run(main())
+    limit = _virtual_run(main)
     assert limit.limit == 16 and limit.settled and limit.history == [NEAR_START, 16]
 
 
 def test_fast_first_request_keeps_the_near_start() -> None:
     async def main() -> AdaptiveLimit:
-        limit = AdaptiveLimit(16)
+        limit = AdaptiveLimit(16, clock=_now)
         limit.note_latency(0.001)
         return limit
 
-    limit = asyncio.run(main())
+    limit = _virtual_run(main)
     assert limit.limit == NEAR_START and not limit.settled
 
 
 def test_fixed_concurrency_never_moves() -> None:
     async def main() -> AdaptiveLimit:
-        fixed = AdaptiveLimit(8, adaptive=False)
+        fixed = AdaptiveLimit(8, adaptive=False, clock=_now)
         fixed.note_latency(1.0)
         tasks = [asyncio.create_task(_one(fixed, _far_store(0.01)())) for _ in range(30)]
         await asyncio.gather(*tasks)
         return fixed
 
-    fixed = asyncio.run(main())
+    fixed = _virtual_run(main)
     assert fixed.history == [8] and fixed.limit == 8
 
 
 def test_windows_the_producer_could_not_fill_decide_nothing() -> None:
     async def main() -> AdaptiveLimit:
-        limit = AdaptiveLimit(16)
+        limit = AdaptiveLimit(16, clock=_now)
         serve = _far_store(0.005)()
         tasks = []
         for _ in range(20):  # one part every 20 ms: never 4 in flight
@@ -129,7 +171,7 @@ def test_windows_the_producer_could_not_fill_decide_nothing() -> None:
         await asyncio.gather(*tasks)
         return limit
 
-    limit = asyncio.run(main())
+    limit = _virtual_run(main)
     assert limit.history == [NEAR_START] and not limit.levels
 
 
@@ -141,13 +183,13 @@ def test_small_maximum_is_respected(maximum: int) -> None:
 
 def test_freeze_keeps_the_limit() -> None:
     async def main() -> AdaptiveLimit:
-        limit = AdaptiveLimit(16)
+        limit = AdaptiveLimit(16, clock=_now)
         limit.freeze()
         serve = _far_store(0.01)()
         await asyncio.gather(*(_one(limit, serve) for _ in range(30)))
         return limit
 
-    limit = asyncio.run(main())
+    limit = _virtual_run(main)
     assert limit.history == [NEAR_START] and limit.settled and not limit.levels
 
 
@@ -232,7 +274,7 @@ def test_a_short_burst_is_measured_over_its_own_length() -> None:
     t = StoreThrottle(clock=clock)
     starts = _send(t, clock, 5, 0.01)  # 5 requests in 50 ms: ~50/s, not 5/s
     t.on_throttle(starts[-1])
-    assert t.rate == pytest.approx(RATE_CUT * 5 / adaptive.MEASURE_MIN_S, rel=0.05)
+    assert t.rate == pytest.approx(RATE_CUT * 5 / pacing.MEASURE_MIN_S, rel=0.05)
 
 
 def test_answers_to_the_old_rate_do_not_cut_again() -> None:
@@ -275,7 +317,7 @@ def test_recovery_is_linear_then_probes() -> None:
         clock.now += delay
         t.on_success(s)
     assert t.rate == pytest.approx(r0 + step * (clock.now - cut_at), rel=0.1)
-    clock.now = cut_at + adaptive.PROBE_AFTER_S + 0.01  # no cut for a while: probe
+    clock.now = cut_at + pacing.PROBE_AFTER_S + 0.01  # no cut for a while: probe
     r1 = t.rate
     assert r1 is not None
     t.on_success(_send(t, clock, 1, 0.0)[0])
@@ -295,7 +337,7 @@ def test_the_step_is_absolute_so_shares_converge() -> None:
     # a process that was cut while it was still starting (5/s) steps like the others
     slow = StoreThrottle(clock=clock)
     slow.on_throttle(_send(slow, clock, 5, 0.2)[-1])
-    assert slow._step == pytest.approx(RATE_RECOVERY * adaptive.STEP_FLOOR_RATE)
+    assert slow._step == pytest.approx(RATE_RECOVERY * pacing.STEP_FLOOR_RATE)
 
 
 def test_recovery_takes_seconds_not_minutes() -> None:
@@ -327,14 +369,14 @@ def test_idle_store_is_forgotten() -> None:
     t = StoreThrottle(clock=clock)
     t.on_throttle(_send(t, clock, 10, 0.01)[-1])
     assert t.rate is not None
-    clock.now += adaptive.IDLE_RESET_S + 1
+    clock.now += pacing.IDLE_RESET_S + 1
     assert t._reserve()[0] == 0.0 and t.rate is None
 
 
 def test_waiters_requeue_at_the_new_rate_after_a_cut() -> None:
     """A request queued at the old rate starts no earlier than the new rate allows."""
     async def main() -> tuple[list[float], float]:
-        t = StoreThrottle()
+        t = StoreThrottle(clock=_now)
         t.rate = 200.0  # paced: 5 ms apart
         tasks = [asyncio.create_task(t.turn()) for _ in range(6)]
         await asyncio.sleep(0.006)
@@ -343,7 +385,7 @@ def test_waiters_requeue_at_the_new_rate_after_a_cut() -> None:
         assert t.rate is not None
         return sorted(starts), t.rate
 
-    starts, rate = asyncio.run(main())
+    starts, rate = _virtual_run(main)
     late = [s for s in starts if s > starts[0] + 0.006]
     gaps = [b - a for a, b in itertools.pairwise(late)]
     assert all(g >= 0.98 / rate for g in gaps)
@@ -371,12 +413,12 @@ def _run_cut(limit: AdaptiveLimit, throttle: StoreThrottle, parts: int, cut_afte
 
         await asyncio.gather(*(one() for _ in range(parts)))
 
-    asyncio.run(main())
+    _virtual_run(main)
 
 
 def test_limit_halves_on_a_cut_and_climbs_back_one_at_a_time() -> None:
     throttle = StoreThrottle()
-    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle)
+    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle, clock=_now)
     _run_cut(limit, throttle, parts=80, cut_after=4)
     assert limit.history == [8, 4, 5, 6, 7, 8]
     assert limit.throttle_cuts == 1 and limit.limit == 8
@@ -384,7 +426,7 @@ def test_limit_halves_on_a_cut_and_climbs_back_one_at_a_time() -> None:
 
 def test_many_cuts_between_looks_halve_once() -> None:
     throttle = StoreThrottle()
-    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle)
+    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle, clock=_now)
 
     async def main() -> None:
         async with limit.slot(1):
@@ -392,14 +434,14 @@ def test_many_cuts_between_looks_halve_once() -> None:
         async with limit.slot(1):
             pass
 
-    asyncio.run(main())
+    _virtual_run(main)
     # the part that saw the cuts does not count towards recovery; the next one does
     assert limit.history == [8, 4, 5] and limit.throttle_cuts == 1
 
 
 def test_a_cut_ends_the_hill_climb_and_recovery_stops_at_the_old_level() -> None:
     throttle = StoreThrottle()
-    limit = AdaptiveLimit(16, throttle=throttle)
+    limit = AdaptiveLimit(16, throttle=throttle, clock=_now)
     _run_cut(limit, throttle, parts=120, cut_after=9, serve_s=0.05)  # during the climb
     cut_at = limit.history.index(min(limit.history[1:]))
     before = limit.history[cut_at - 1]
@@ -409,7 +451,7 @@ def test_a_cut_ends_the_hill_climb_and_recovery_stops_at_the_old_level() -> None
 
 
 def test_limit_without_a_throttle_ignores_cuts() -> None:
-    limit = AdaptiveLimit(8, adaptive=False, throttle=None)
+    limit = AdaptiveLimit(8, adaptive=False, throttle=None, clock=_now)
     _run_cut(limit, StoreThrottle(), parts=20, cut_after=2)
     assert limit.history == [8]
 
@@ -433,7 +475,7 @@ class _Unpaced(StoreThrottle):
     retry accounting, where the pacing's waits would only slow the test down."""
 
     async def turn(self) -> float:
-        return self._reserve()[1] if self.rate is None else adaptive.time.monotonic()
+        return self._reserve()[1] if self.rate is None else pacing.time.monotonic()
 
 
 def _memory_backend(tmp_name: str):
@@ -495,7 +537,7 @@ class _ServingOthers(_Flaky):
         self.throttle = throttle
 
     async def __call__(self) -> str:
-        self.throttle.on_success(adaptive.time.monotonic())
+        self.throttle.on_success(pacing.time.monotonic())
         return await super().__call__()
 
 
@@ -539,7 +581,7 @@ def test_a_store_that_refuses_everything_gets_whole_attempts() -> None:
                            RetryOptions(max_attempts=3, initial_backoff_s=0.0))
     throttle = _Unpaced()
     backend.throttle = throttle
-    throttle.on_success(adaptive.time.monotonic())  # an earlier request was answered
+    throttle.on_success(pacing.time.monotonic())  # an earlier request was answered
     fn = _Flaky(ClientErrorShape("SlowDown", 503), 100)
     with pytest.raises(errors.UploadError, match="SlowDown"):
         backend.run(lambda: backend.call(fn, op="upload", url="x"))
@@ -592,7 +634,7 @@ def test_transfer_options_validate_the_new_fields(field: str, value: object) -> 
 
 def test_history_of_a_long_throttled_save_keeps_its_ends() -> None:
     throttle = StoreThrottle()
-    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle)
+    limit = AdaptiveLimit(8, adaptive=False, throttle=throttle, clock=_now)
 
     async def main() -> None:
         for _ in range(100):  # cut, then four clean parts back to 8, a hundred times
@@ -601,6 +643,6 @@ def test_history_of_a_long_throttled_save_keeps_its_ends() -> None:
                 async with limit.slot(1):
                     pass
 
-    asyncio.run(main())
+    _virtual_run(main)
     assert len(limit.history) == 2 * adaptive.HISTORY_KEEP
     assert limit.history[:3] == [8, 4, 5] and limit.history[-1] == 8

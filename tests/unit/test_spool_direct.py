@@ -1,7 +1,7 @@
 """The disk spool with ``O_DIRECT`` (``SpoolOptions.direct_io``): the same bytes, parts and
 checksums as the cached spool, whatever the write sizes and part alignment; tmpfs (which
 refuses ``O_DIRECT``) falls back to cached writes; whole saves load bit-identical from a
-real store (local files, and SeaweedFS over S3)."""
+real store (local files; SeaweedFS over S3 in tests/integration/test_spool_direct.py)."""
 
 from __future__ import annotations
 
@@ -243,9 +243,3 @@ def test_a_spool_kept_by_the_local_tier_is_whole(disk_dir: Path, direct_io: bool
     assert reader.last_stats is not None
     assert reader.last_stats.bytes_from_local == reader.last_stats.bytes_needed
     assert torch.equal(target["w"], _state()["w"])
-
-
-def test_saves_load_bit_identical_from_seaweedfs(seaweedfs: Any, disk_dir: Path) -> None:
-    store = seaweedfs.store()
-    spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=True)
-    _roundtrip(f"{store.root}/ck", store.storage_options, spool)
