@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes import VolumeReader, VolumeWriter, _layout
-from dcp_volumes.writer import _CheckedWriteResult
+from dcp_volumes._manifest import CheckedWriteResult
 
 ITEM_ELEMS = 256  # float32: 1 KiB of data per item (+ torch.save framing, ignored here)
 
@@ -75,7 +75,7 @@ def synthetic(items: int, per_rank: int, checked: bool
             index = MetadataIndex(fqn, torch.Size([0]), 0)
             info = _StorageInfo(name, j * length, length)
             if checked:
-                rank_results.append(_CheckedWriteResult(index=index, size_in_bytes=length,
+                rank_results.append(CheckedWriteResult(index=index, size_in_bytes=length,
                                                         storage_data=info, crc32c=j))
             else:
                 rank_results.append(WriteResult(index=index, size_in_bytes=length,

@@ -12,7 +12,9 @@ How a save is committed lives in :mod:`dcp_volumes._commit`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import hashlib
 import io
 import json
 import math
@@ -24,13 +26,14 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._layout import check_relative_path
 from dcp_volumes.backends.translate import redact_url
 
-__all__ = ["FileEntry", "ItemEntry", "Manifest", "load_metadata", "metadata_save_id",
-           "set_save_id", "volume_save_id"]
+__all__ = ["CheckedWriteResult", "FileEntry", "ItemEntry", "Manifest", "load_metadata",
+           "manifest_of", "metadata_save_id", "set_save_id", "volume_save_id"]
 
 FORMAT_VERSION = 1
 
@@ -98,10 +101,14 @@ class Manifest:
     created: float = field(default_factory=time.time)
     files: dict[str, FileEntry] = field(default_factory=dict)
     torch: str = field(default_factory=lambda: torch.__version__)
+    #: SHA-256 of the bytes this manifest was read from or encoded to ("" before either)
+    sha256: str = field(default="", compare=False)
 
     def to_json(self) -> bytes:
         with paused_gc():
-            return self._to_json()
+            data = self._to_json()
+        self.sha256 = hashlib.sha256(data).hexdigest()
+        return data
 
     def _to_json(self) -> bytes:
         return json.dumps(
@@ -140,15 +147,45 @@ class Manifest:
                 check_relative_path(name)
                 items = dict(ItemEntry.from_json(row) for row in entry["items"])
                 files[name] = FileEntry(size=int(entry["size"]), items=items)
+            created = float(doc.get("created", 0.0))
+            if not math.isfinite(created):
+                raise ValueError("created is not a finite number")
             return cls(save_id=str(doc["save_id"]), writer=str(doc.get("writer", "?")),
-                       world_size=int(doc.get("world_size", 0)),
-                       created=float(doc.get("created", 0.0)), files=files,
-                       torch=str(doc.get("torch", "")))
+                       world_size=int(doc.get("world_size", 0)), created=created,
+                       files=files, torch=str(doc.get("torch", "")),
+                       sha256=hashlib.sha256(data).hexdigest())
         except errors.DCPVolumesError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError,
+                RecursionError) as exc:
             raise errors.IntegrityError(f"manifest {where} is not valid: {type(exc).__name__}") \
                 from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedWriteResult(WriteResult):
+    """A WriteResult that also carries the item's CRC32C (and block layout) to the
+    coordinator, which builds the manifest from them (:func:`manifest_of`)."""
+
+    crc32c: int
+    layout: ItemEntry | None = None
+
+
+def manifest_of(save_id: str, writer: str, results: list[list[WriteResult]]) -> Manifest:
+    """The integrity manifest of a save from every rank's write results."""
+    manifest = Manifest(save_id=save_id, writer=writer, world_size=len(results))
+    for rank_results in results:
+        for wr in rank_results:
+            if not isinstance(wr, CheckedWriteResult):
+                raise errors.DCPVolumesError(
+                    f"a write result of item {wr.index} carries no checksum: it was not "
+                    "written by VolumeWriter.write_data (a custom planner or writer mixed in?)"
+                )
+            info = wr.storage_data
+            entry = manifest.files.setdefault(info.relative_path, FileEntry())
+            entry.items[info.offset] = wr.layout or ItemEntry(info.length, wr.crc32c)
+            entry.size = max(entry.size, info.offset + info.length)
+    return manifest
 
 
 # --------------------------------------------------------------------------------------
@@ -253,7 +290,7 @@ def volume_save_id(metadata: Metadata) -> str | None:
     Ours: ``storage_meta.save_id`` has VolumeWriter's save id form and the stored files have
     its shard names (``__<rank>_<i>-<id>.distcp``). A shard's id is usually the save id, but
     a rank that reused a cached plan names its shards with an id of its own
-    (``writer._claim_shard_id``), so any id of that form counts. torch's writers use UUIDs
+    (``_shards.claim_shard_id``), so any id of that form counts. torch's writers use UUIDs
     and ``__<rank>_<i>.distcp``: never both forms by accident.
     """
     save_id = metadata_save_id(metadata)

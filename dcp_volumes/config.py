@@ -16,7 +16,8 @@ from typing import Literal
 
 from dcp_volumes.errors import ConfigError
 
-__all__ = ["LocalTierOptions", "MiB", "RetryOptions", "SpoolOptions", "TransferOptions"]
+__all__ = ["LocalTierOptions", "MiB", "RetryOptions", "SpoolOptions", "TransferOptions",
+           "check_local_tier"]
 
 MiB = 1 << 20
 
@@ -267,3 +268,18 @@ class LocalTierOptions:
     def resolved_directory(self) -> str:
         """The tier directory as an absolute path."""
         return os.path.abspath(os.fspath(self.directory))
+
+
+def check_local_tier(local_tier: object, spool: SpoolOptions) -> LocalTierOptions | None:
+    """``local_tier=`` of a writer (or a Checkpointer) checked against its spool options."""
+    if local_tier is None:
+        return None
+    if not isinstance(local_tier, LocalTierOptions):
+        raise ConfigError(
+            f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
+    if spool.mode != "disk":
+        raise ConfigError(
+            "local_tier= keeps the spooled files, and SpoolOptions(mode='memory') spools to "
+            "no file: use SpoolOptions(mode='disk') (ideally on the tier's filesystem, so "
+            "files are moved, not copied), or drop local_tier=")
+    return local_tier

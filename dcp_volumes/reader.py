@@ -15,24 +15,22 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_volumes import _compat, _layout, _tier, errors
+from dcp_volumes import _compat, _layout, errors, tier
 from dcp_volumes._commit import read_committed
 from dcp_volumes._location import Location
-from dcp_volumes._manifest import Manifest, load_metadata, volume_save_id
+from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
 from dcp_volumes.transfer import cooperative
-from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
 from dcp_volumes.transfer.readplan import (
     Need,
     apply_need,
-    check_need,
-    describe,
     direct_target,
     plan_needs,
     plan_ranges,
 )
+from dcp_volumes.transfer.serve import check_store, serve_store
 
 __all__ = ["VolumeReader"]
 
@@ -76,6 +74,11 @@ class VolumeReader(Location, StorageReader):
             ``LoadStats.local_fallbacks``). In a cooperative load a rank also reads the
             ranges other ranks need of the files it holds and sends them (checked first;
             ``LoadStats.bytes_from_peers`` on the receiving side). Needs ``verify=True``.
+        local_commit: load a **local-only** save (as ``Checkpointer.load_latest`` finds
+            one): its ``.metadata`` and manifest are these bytes instead of the store's, and
+            every shard byte must come from a local tier (this node's or a peer's, checked
+            against that manifest); a byte no rank holds fails the load with
+            :class:`~dcp_volumes.errors.IntegrityError`.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class VolumeReader(Location, StorageReader):
         cooperative: bool | Literal["auto"] = "auto",
         cooperative_timeout_s: float = 600.0,
         local_tier: LocalTierOptions | None = None,
+        local_commit: tier.LocalCommit | None = None,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -120,7 +124,7 @@ class VolumeReader(Location, StorageReader):
                 "local_tier= needs verify=True: local copies are used only when every byte "
                 "can be checked against the committed manifest")
         self.local_tier = local_tier
-        self._local: dict[str, _tier.LocalFile] = {}
+        self._local: dict[str, tier.LocalFile] = {}
         self._local_rejected: dict[str, str] = {}
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
@@ -129,9 +133,11 @@ class VolumeReader(Location, StorageReader):
         #: the typed error of the last failed read_metadata/read_data on this rank
         self.last_error: errors.DCPVolumesError | None = None
         self._metadata_retries = 0  # retries of the .metadata and manifest reads
-        # a local-only save's commit bytes (Checkpointer.load_latest): read instead of the
-        # store's, and every shard byte must come from a local tier (this node's or a peer's)
-        self._local_commit: _tier.LocalCommit | None = None
+        if local_commit is not None and not isinstance(local_commit, tier.LocalCommit):
+            raise errors.ConfigError(
+                "local_commit= must be a LocalCommit (from a local-only save found in the "
+                f"local tier) or None, got {type(local_commit).__name__}")
+        self._local_commit = local_commit
 
     def __repr__(self) -> str:
         return f"VolumeReader({redact_url(self._url)!r})"
@@ -160,7 +166,7 @@ class VolumeReader(Location, StorageReader):
         self.last_error = None
         if self._local_commit is not None:
             try:
-                metadata, self._manifest = _local_committed(self._local_commit, self._url)
+                metadata, self._manifest = tier.parse_commit(self._local_commit, self._url)
             except errors.DCPVolumesError as exc:
                 self.last_error = exc
                 raise
@@ -196,7 +202,7 @@ class VolumeReader(Location, StorageReader):
         self._local, self._local_rejected = {}, {}
         if self.local_tier is not None and self._manifest is not None:
             # once per load, before any plan: the cooperative plan leaves these files out
-            self._local, self._local_rejected = _tier.find_local(
+            self._local, self._local_rejected = tier.find_local(
                 self.local_tier, self._url, self._manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -245,50 +251,14 @@ class VolumeReader(Location, StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         url = redact_url(self._url)
         start = time.monotonic()
-        state: dict[str, Any] = {}
-
-        def _setup() -> tuple[list[Need], _tier.LocalRead, list[Need]]:
-            # Local tier first: what fails there (and only that) goes to the store after.
-            needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
-            local = self._read_local(needs, planner, url)
-            state.update(needs=needs, local=local)
-            if self._local_commit is not None and local.fallback:
-                raise errors.IntegrityError(
-                    f"rank {self._rank}: the local copy of shard {local.fallback[0].relative} "
-                    f"of the local-only save of {url} cannot be used (see the warning above), "
-                    "and the store has none: load the newest durable checkpoint instead")
-            return needs, local, _from_store(needs, frozenset(self._local))
-
         if isinstance(plan.storage_data, cooperative.Assignment):
-            coop = cooperative.CooperativeRead(
-                plan.storage_data, url=url, planner=planner, trusted=self.safe_globals,
-                max_concurrency=self.transfer.max_concurrency,
-                part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
-                timeout_s=self.cooperative_timeout_s, local_files=self._local,
-                store=self._local_commit is None,
-            )
-            # inside coop.run: a rank that fails here fails every rank at once
-            figures = coop.run(lambda: (self._backend(), _setup()[2]))
-            needs, local = state["needs"], state["local"]
-            if figures is not None:
-                stats = CallStats()
-                fetched, nranges = self._fetch_direct(local.fallback, planner, url, stats)
-                return self._done(LoadStats(
-                    rank=self._rank, bytes_needed=sum(n.needed for n in needs),
-                    bytes_fetched=figures.bytes_fetched + fetched, items=len(needs),
-                    ranges=figures.ranges + nranges, fetch_s=time.monotonic() - start,
-                    verified=self._manifest is not None,
-                    retries=figures.calls.retries + stats.retries + self._metadata_retries,
-                    cooperative=True, bytes_from_peers=figures.bytes_from_peers,
-                    bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
-                    peer_wait_s=figures.wait_s,
-                    bytes_from_local=local.bytes_used + figures.bytes_from_local,
-                    local_fallbacks=self._fallbacks(needs, local) + figures.local_fallbacks,
-                ), url)
+            done = self._read_cooperative(plan, planner, plan.storage_data, url, start)
+            if isinstance(done, Future):
+                return done
             # every rank agreed to read directly (the plan changed after it was made)
-            remote = _from_store(needs, frozenset(self._local))
+            needs, local, remote = done
         else:
-            needs, local, remote = _setup()
+            needs, local, remote = self._read_tier(plan, planner, url)
         if self._local_commit is not None and (remote or local.fallback):
             missing = (remote + local.fallback)[0]
             raise errors.IntegrityError(
@@ -305,23 +275,76 @@ class VolumeReader(Location, StorageReader):
             bytes_from_local=local.bytes_used, local_fallbacks=self._fallbacks(needs, local),
         ), url)
 
+    def _read_tier(self, plan: LoadPlan, planner: LoadPlanner, url: str
+                   ) -> tuple[list[Need], tier.LocalRead, list[Need]]:
+        """This rank's needs, applied from the local tier first: (all needs, what the tier
+        did, the needs it does not hold). What fails there (and only that) goes to the store
+        after."""
+        needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
+        local = self._read_local(needs, planner, url)
+        return needs, local, _from_store(needs, frozenset(self._local))
+
+    def _read_cooperative(self, plan: LoadPlan, planner: LoadPlanner,
+                          assignment: cooperative.Assignment, url: str, start: float
+                          ) -> Future[None] | tuple[list[Need], tier.LocalRead, list[Need]]:
+        """This rank's part of a cooperative load; when the ranks agreed to read directly
+        instead, what :meth:`_read_tier` found (the local tier is read either way)."""
+        coop = cooperative.CooperativeRead(
+            assignment, url=url, planner=planner, trusted=self.safe_globals,
+            max_concurrency=self.transfer.max_concurrency,
+            part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
+            timeout_s=self.cooperative_timeout_s, local_files=self._local,
+            store=self._local_commit is None,
+        )
+        needs: list[Need] = []
+        local = tier.LocalRead()
+        remote: list[Need] = []
+        backend, failed = None, None
+        try:
+            backend = self._backend()
+            needs, local, remote = self._read_tier(plan, planner, url)
+            if self._local_commit is not None and local.fallback:
+                raise errors.IntegrityError(
+                    f"rank {self._rank}: the local copy of shard {local.fallback[0].relative} "
+                    f"of the local-only save of {url} cannot be used (see the warning above), "
+                    "and the store has none: load the newest durable checkpoint instead")
+        except Exception as exc:  # noqa: BLE001 — coop.run reports it to every rank at once
+            failed = exc
+        figures = coop.run(backend, remote, failed=failed)
+        if figures is None:
+            return needs, local, remote
+        stats = CallStats()
+        fetched, nranges = self._fetch_direct(local.fallback, planner, url, stats)
+        return self._done(LoadStats(
+            rank=self._rank, bytes_needed=sum(n.needed for n in needs),
+            bytes_fetched=figures.bytes_fetched + fetched, items=len(needs),
+            ranges=figures.ranges + nranges, fetch_s=time.monotonic() - start,
+            verified=self._manifest is not None,
+            retries=figures.calls.retries + stats.retries + self._metadata_retries,
+            cooperative=True, bytes_from_peers=figures.bytes_from_peers,
+            bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
+            peer_wait_s=figures.wait_s,
+            bytes_from_local=local.bytes_used + figures.bytes_from_local,
+            local_fallbacks=self._fallbacks(needs, local) + figures.local_fallbacks,
+        ), url)
+
     def _read_local(self, needs: list[Need], planner: LoadPlanner, url: str
-                    ) -> _tier.LocalRead:
+                    ) -> tier.LocalRead:
         """Apply the needs this node's local tier holds; the rest of them is returned."""
         mine = [n for n in needs if n.relative in self._local]
         for relative in sorted({n.relative for n in needs} & set(self._local_rejected)):
             logger.warning("local copy of shard %s of %s is not used: %s; reading it from "
                            "the store", relative, url, self._local_rejected[relative])
         if not mine:
-            return _tier.LocalRead()
-        return _tier.read_local(
+            return tier.LocalRead()
+        return tier.read_local(
             mine, self._local, gap=self.transfer.coalesce_gap,
             max_size=self.transfer.max_range_size, url=url,
             apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),
             direct=lambda need: direct_target(need, planner),
             commit=lambda target: planner.commit_tensor(target.read, target.target))
 
-    def _fallbacks(self, needs: list[Need], local: _tier.LocalRead) -> int:
+    def _fallbacks(self, needs: list[Need], local: tier.LocalRead) -> int:
         rejected = sum(1 for n in needs if n.relative in self._local_rejected)
         return rejected + len(local.fallback)
 
@@ -333,34 +356,12 @@ class VolumeReader(Location, StorageReader):
         backend = self._backend()
         ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
                              max_size=self.transfer.max_range_size)
-        fetched = 0
-
-        def _missing(rng: RangeRequest, exc: BaseException) -> BaseException:
-            return errors.IntegrityError(
-                f"shard {rng.relative} of {url} is missing (needed for "
-                f"{describe(rng.items[0].reads[0])}): the checkpoint is damaged or was replaced "
-                "while loading"
-            )
-
-        def _short(rng: RangeRequest, size: int) -> BaseException:
-            need = max(rng.items, key=lambda n: n.end)
-            return errors.IntegrityError(
-                f"shard {rng.relative} of {url} is truncated or its metadata is damaged: "
-                f"{describe(need.reads[0])} needs bytes up to {need.end}, the object has "
-                f"{size}"
-            )
-
-        check_extents(backend, ranges, _missing, _short)
-        for rng, data in fetch_ranges(backend, ranges,
-                                      max_concurrency=self.transfer.max_concurrency,
-                                      chunk_size=self.transfer.part_size,
-                                      stats=stats, on_missing=_missing):
-            fetched += len(data)
-            view = memoryview(data)
-            for need in rng.items:
-                chunk = view[need.start - rng.start:need.end - rng.start]
-                check_need(need, chunk, url)
-                apply_need(need, chunk, planner, self.safe_globals)
+        check_store(backend, ranges, url)
+        fetched = serve_store(
+            backend, ranges, url=url,
+            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),
+            max_concurrency=self.transfer.max_concurrency, chunk_size=self.transfer.part_size,
+            stats=stats)
         return fetched, len(ranges)
 
     def _done(self, s: LoadStats, url: str) -> Future[None]:
@@ -376,19 +377,6 @@ class VolumeReader(Location, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-
-def _local_committed(commit: _tier.LocalCommit, url: str) -> tuple[Metadata, Manifest]:
-    """The ``.metadata`` and manifest of a local-only save, checked as the store's are."""
-    where = f"the local-only save {commit.save_id} of {redact_url(url)}"
-    metadata = load_metadata(commit.metadata, where=where)
-    manifest = Manifest.from_json(commit.manifest, where=where)
-    if volume_save_id(metadata) != commit.save_id or manifest.save_id != commit.save_id:
-        raise errors.IntegrityError(f"{where}: its .metadata or manifest belongs to another "
-                                    "save")
-    if metadata.storage_meta is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata, manifest
 
 
 def _from_store(needs: list[Need], local_files: frozenset[str]) -> list[Need]:

@@ -1,7 +1,9 @@
 """``VolumeWriter``: the DCP save lifecycle on any fsspec URL.
 
-This module holds the lifecycle only (plan → write → finish); spooling, transfer, layout
-and commit live in their own modules.
+This module holds the lifecycle (plan → write → finish) and its two destinations: the store
+(a durable save) or the ranks' local tiers only (``local_only=True``, chosen at
+construction). The spool loop is :mod:`dcp_volumes._shards`; transfer, layout, the manifest
+and the commit live in their own modules.
 """
 
 from __future__ import annotations
@@ -9,41 +11,42 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import io
 import logging
 import os
 import pickle
 import threading
 import time
-from collections.abc import Iterator
-from typing import IO, Any, cast
+from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_volumes import _commit, _compat, _layout, _tier, errors
+from dcp_volumes import _commit, _compat, _layout, errors
 from dcp_volumes._location import Location
-from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, paused_gc, set_save_id
+from dcp_volumes._manifest import Manifest, manifest_of, paused_gc, set_save_id
+from dcp_volumes._shards import ShardFiles, claim_shard_id, item_nbytes, spool_items
 from dcp_volumes._spool import SpoolFile, check_free_space, remove_dead_spools
 from dcp_volumes._staging import StagingBuffers
 from dcp_volumes._version import __version__
 from dcp_volumes.backends import CallStats, redact_url
-from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
+from dcp_volumes.config import (
+    LocalTierOptions,
+    RetryOptions,
+    SpoolOptions,
+    TransferOptions,
+    check_local_tier,
+)
 from dcp_volumes.stats import SaveStats
+from dcp_volumes.tier import DurableBase, LocalCommit, TierSave, normal_url
 from dcp_volumes.transfer.upload import Uploader
 
 __all__ = ["VolumeWriter"]
 
 logger = logging.getLogger(__name__)
-
-# Large contiguous tensors get a CRC32C per block of their raw bytes, so a resharding load
-# can fetch and verify only the blocks its new shards need.
-_DATA_BLOCK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,105 +56,11 @@ class _SavePrefix:
     With ``DefaultSavePlanner(enable_plan_caching=True)`` a rank whose plan did not change
     gets its first save's final plan back, this prefix included: a stale save id. So the
     id a rank names its shards with is claimed in :meth:`VolumeWriter.write_data` (see
-    :func:`_claim_shard_id`), never taken from the plan blindly.
+    :func:`dcp_volumes._shards.claim_shard_id`), never taken from the plan blindly.
     """
 
     save_id: str
     rank: int
-
-
-# Every id this process named shard files with. A plan whose save id is in here is a cached
-# plan of an earlier save; its shards then get an id of their own (one short string per save).
-_shard_ids: set[str] = set()
-_shard_ids_lock = threading.Lock()
-
-
-def _claim_shard_id(*candidates: str | None) -> str:
-    """The id this rank names this save's shard files with: the first candidate (the plan's
-    save id, then the coordinator's own current one) that no earlier save of this process
-    used, else a new id of the same form. Unique per save per rank by construction, so no
-    two saves ever write the same object, whatever plan DCP's cache hands the rank."""
-    with _shard_ids_lock:
-        for candidate in candidates:
-            if candidate is not None and candidate not in _shard_ids:
-                _shard_ids.add(candidate)
-                return candidate
-        while (token := _layout.new_save_id()) in _shard_ids:
-            pass
-        _shard_ids.add(token)
-        return token
-
-
-@dataclasses.dataclass(frozen=True)
-class _CheckedWriteResult(WriteResult):
-    """A WriteResult that also carries the item's CRC32C to the coordinator."""
-
-    crc32c: int
-    layout: ItemEntry | None = None
-
-
-def _item_nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    n = 1
-    for s in item.tensor_data.size:
-        n *= s
-    return n * torch._utils._element_size(item.tensor_data.properties.dtype)
-
-
-def _split_by_size(bins: int, items: list[WriteItem]) -> list[list[WriteItem]]:
-    """Greedy size balance (largest first), byte items round-robin: torch's own policy."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted((i for i in items if i.type != WriteItemType.BYTE_IO),
-                          key=_item_nbytes, reverse=True)
-    for n, item in enumerate(byte_items):
-        buckets[n % bins].append(item)
-    for item in tensor_items:
-        idx = sizes.index(min(sizes))
-        buckets[idx].append(item)
-        sizes[idx] += _item_nbytes(item)
-    return [b for b in buckets if b]
-
-
-_zip_crc_lock = threading.Lock()
-_zip_crc_users = 0
-
-
-@contextlib.contextmanager
-def _without_torch_zip_crc() -> Iterator[None]:
-    """Skip torch.save's own zip CRC32 while we serialize: every item already gets a
-    CRC32C from the spool, and torch's readers do not check the zip CRC. (A process-wide
-    torch setting: restored when the last concurrent save in this process ends.)"""
-    global _zip_crc_users
-    options = _compat.zip_crc32_options()
-    if options is None:
-        yield
-        return
-    get, set_ = options
-    with _zip_crc_lock:
-        if _zip_crc_users == 0:
-            _without_torch_zip_crc.previous = get()  # type: ignore[attr-defined]
-        _zip_crc_users += 1
-        set_(False)
-    try:
-        yield
-    finally:
-        with _zip_crc_lock:
-            _zip_crc_users -= 1
-            if _zip_crc_users == 0:
-                set_(_without_torch_zip_crc.previous)  # type: ignore[attr-defined]
-
-
-def _cpu_tensor(data: torch.Tensor) -> torch.Tensor:
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.untyped_storage().nbytes() != tensor.nbytes:
-        # torch.save writes a tensor's whole storage; keep only the view's bytes.
-        tensor = tensor.clone()
-    return tensor
 
 
 class VolumeWriter(Location, StorageWriter, AsyncStager):
@@ -179,6 +88,11 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             (:class:`LocalTierOptions`), so a :class:`VolumeReader` with the same option
             restores from there. Needs ``SpoolOptions(mode="disk")``. A failure in the tier
             (full, unwritable) is a WARNING; the save still completes in the store.
+        local_only: write each rank's files, the ``.metadata`` and the manifest to the local
+            tier only; nothing goes to the store. The coordinator's commit bytes are handed
+            back by :meth:`take_local_commit` and every rank completes its copy with
+            :meth:`complete_local_only` (the :class:`~dcp_volumes.Checkpointer` does both,
+            ``save(..., local_only=True)``). Needs ``local_tier=``.
 
     With ``dcp.async_save`` the writer is also the stager: it copies the state dict into CPU
     buffers allocated on the first save and reused by later ones (never while a save that
@@ -201,6 +115,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         transfer: TransferOptions | None = None,
         retry: RetryOptions | None = None,
         local_tier: LocalTierOptions | None = None,
+        local_only: bool = False,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -212,16 +127,23 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             if not isinstance(value, cls):
                 raise errors.ConfigError(f"{name}= must be a {cls.__name__}, got {type(value).__name__}")
         self.local_tier = check_local_tier(local_tier, self.spool)
+        if not isinstance(local_only, bool):
+            raise errors.ConfigError(f"local_only= must be True or False, got {local_only!r}")
+        if local_only and self.local_tier is None:
+            raise errors.ConfigError(
+                "local_only=True writes to the local tier only, and no local_tier= is given: "
+                "pass local_tier=LocalTierOptions(directory=...)")
+        self.local_only = local_only
         self._rank = 0
         self._save_id: str | None = None
         self.last_stats: SaveStats | None = None
+        #: the coordinator's last durable commit (None before one, and on other ranks)
+        self.last_commit: DurableBase | None = None
         self._staging = StagingBuffers()
-        # A local-only save (set by Checkpointer.save(local_only=True), which completes it):
-        # nothing goes to the store; write_data leaves each rank's files in the tier without
-        # a descriptor, finish leaves the coordinator's commit bytes in _local_commit.
-        self._local_only = False
-        self._local_pending: _tier.TierSave | None = None
-        self._local_commit: _tier.LocalCommit | None = None
+        # local-only: write_data leaves each rank's files in the tier without a descriptor
+        # (_local_pending), finish leaves the coordinator's commit bytes (_local_commit)
+        self._local_pending: TierSave | None = None
+        self._local_commit: LocalCommit | None = None
 
     # ---- pickling (AsyncCheckpointerType.PROCESS): config only -------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -253,7 +175,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         self._staging.close()
 
     def __repr__(self) -> str:
-        return f"VolumeWriter({redact_url(self._url)!r}, overwrite={self.overwrite})"
+        return (f"VolumeWriter({redact_url(self._url)!r}, overwrite={self.overwrite}, "
+                f"local_only={self.local_only})")
 
     # ---- StorageWriter -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -278,7 +201,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 f"the state dict is empty on every rank: nothing to save to "
                 f"{redact_url(self._url)}; pass the model/optimizer state you mean to checkpoint"
             )
-        if self._local_only:  # no network: no existence check, no live record
+        if self.local_only:  # no network: no existence check, no live record
             self._save_id = _layout.new_save_id()
             return [dataclasses.replace(p, storage_data=_SavePrefix(self._save_id, i))
                     for i, p in enumerate(plans)]
@@ -308,18 +231,16 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 "the save plan carries no dcp_volumes prefix: VolumeWriter.prepare_global_plan "
                 "did not run (is a custom planner dropping storage_data?)"
             )
-        shard_id = _claim_shard_id(prefix.save_id, self._save_id)
+        shard_id = claim_shard_id(prefix.save_id, self._save_id)
         if shard_id != prefix.save_id:
             logger.debug("rank %d: the plan carries save id %s of an earlier save (a cached "
                          "plan); naming this save's shards %s", self._rank, prefix.save_id,
                          shard_id)
-        if self._local_only:
-            results = self._write_local_only(plan.items, planner,
-                                             _SavePrefix(shard_id, prefix.rank))
+        mine = _SavePrefix(shard_id, prefix.rank)
+        if self.local_only:
+            results = self._write_local_only(plan.items, planner, mine)
         else:
-            results = self._write_live(plan.items, planner,
-                                       _SavePrefix(shard_id, prefix.rank),
-                                       plan_save_id=prefix.save_id)
+            results = self._write_live(plan.items, planner, mine, plan_save_id=prefix.save_id)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -329,8 +250,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         """:meth:`_write_rank`, keeping the live record of the id in this rank's shard names
         fresh meanwhile (so gc leaves those objects alone). A rank that fails removes the
         record: DCP commits a save only if every rank succeeded, so what this save wrote is
-        garbage now. A rank-local id's record (a cached plan, see :func:`_claim_shard_id`)
-        is also removed on success: the coordinator removes only the save id's."""
+        garbage now. A rank-local id's record (a cached plan, see ``claim_shard_id``) is
+        also removed on success: the coordinator removes only the save id's."""
         backend = self._backend()
         heartbeat = _commit.Heartbeat(backend, prefix.save_id).start()
         try:
@@ -347,68 +268,67 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 backend.run(lambda: _commit.end_live(backend, prefix.save_id))
         return results
 
+    def _spool_directory(self, items: list[WriteItem]) -> str:
+        """The spool directory, cleared of dead spools and with room for ``items``."""
+        directory = self.spool.resolved_directory()
+        if self.spool.mode == "disk":
+            remove_dead_spools(directory)
+            check_free_space(directory, sum(map(item_nbytes, items)) + (1 << 20),
+                             self.spool.free_space_margin)
+        return directory
+
+    def _shard_path(self, prefix: _SavePrefix) -> functools.partial[str]:
+        return functools.partial(_shard_path, self.transfer.key_layout, prefix)
+
     def _write_rank(self, items: list[WriteItem], planner: SavePlanner,
                     prefix: _SavePrefix) -> list[WriteResult]:
-        backend = self._backend()
+        """Spool this rank's items and upload them as they fill; keep them in the local
+        tier after, when one is configured."""
         spool, transfer = self.spool, self.transfer
         stats = CallStats()
         start = time.monotonic()
-        directory = spool.resolved_directory()
-        if spool.mode == "disk":
-            remove_dead_spools(directory)
-            check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
-                             spool.free_space_margin)
-        uploader = Uploader(backend, part_size=transfer.part_size,
+        directory = self._spool_directory(items)
+        uploader = Uploader(self._backend(), part_size=transfer.part_size,
                             max_concurrency=transfer.max_concurrency, stats=stats,
                             adaptive=transfer.adaptive_concurrency)
         slots = (threading.Semaphore(transfer.max_concurrency + 1)
                  if spool.mode == "memory" else None)
         # Spool files read once and deleted skip the page cache; kept ones use it (a restart
         # from the local tier then reads them from memory).
-        direct = (spool.direct_io if spool.direct_io is not None
-                  else self.local_tier is None)
-        spools: list[SpoolFile] = []
-        results: list[WriteResult] = []
-        total = 0
+        direct = spool.direct_io if spool.direct_io is not None else self.local_tier is None
+
+        def open_file(relative: str, expected: int) -> tuple[SpoolFile, Any]:
+            upload = uploader.start_file(
+                relative,
+                functools.partial(SpoolFile, relative, mode=spool.mode, directory=directory,
+                                  part_size=transfer.part_size, buffer_slots=slots,
+                                  should_stop=uploader.raise_if_failed, direct=direct),
+                expected_size=expected)
+            return upload.spool, upload.finish
+
+        out = ShardFiles()
         kept = 0
         spool_end = start
         try:
-            with _without_torch_zip_crc():
-                for index, bucket in enumerate(_split_by_size(spool.files_per_rank, items)):
-                    relative = _layout.shard_path(transfer.key_layout, prefix.rank, index,
-                                                  prefix.save_id)
-                    upload = uploader.start_file(
-                        relative,
-                        functools.partial(SpoolFile, relative, mode=spool.mode,
-                                          directory=directory, part_size=transfer.part_size,
-                                          buffer_slots=slots,
-                                          should_stop=uploader.raise_if_failed,
-                                          direct=direct),
-                        expected_size=sum(map(_item_nbytes, bucket)))
-                    sf = upload.spool
-                    spools.append(sf)
-                    for item in bucket:
-                        results.append(self._write_item(sf, item, planner, relative))
-                    total += sf.close()
-                    upload.finish()
+            spool_items(out, items, planner, files=spool.files_per_rank,
+                        shard_path=self._shard_path(prefix), open_file=open_file)
             spool_end = time.monotonic()
             uploader.spooling_ended()
             uploader.wait()
             if self.local_tier is not None:
-                kept = self._keep_local(self.local_tier, spools, prefix)
+                kept = self._keep_local(self.local_tier, out.spools, prefix)
         except BaseException:
             uploader.abort()
             raise
         finally:
-            for sf in spools:
-                sf.discard()
-            self._staging.finished_reading(items, planner)
+            self._discard(out.spools, items, planner)
         end = time.monotonic()
         self.last_stats = SaveStats(
-            rank=self._rank, bytes=total, files=len(spools), parts=sum(s.parts for s in spools),
-            spool_s=spool_end - start, upload_s=end - start, upload_tail_s=end - spool_end,
-            retries=stats.retries, requests=stats.requests,
-            concurrency=tuple(uploader.limit.history), bytes_kept_local=kept,
+            rank=self._rank, bytes=out.nbytes, files=len(out.spools),
+            parts=sum(s.parts for s in out.spools), spool_s=spool_end - start,
+            upload_s=end - start, upload_tail_s=end - spool_end, retries=stats.retries,
+            requests=stats.requests, concurrency=tuple(uploader.limit.history),
+            bytes_kept_local=kept,
         )
         s = self.last_stats
         logger.info(
@@ -417,7 +337,21 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             s.rank, s.bytes, s.files, s.parts, redact_url(self._url), s.spool_s, s.upload_s,
             s.upload_tail_s, s.mib_per_s, s.retries, "->".join(map(str, s.concurrency)),
         )
-        return results
+        return out.results
+
+    def _discard(self, spools: list[SpoolFile], items: list[WriteItem],
+                 planner: SavePlanner) -> None:
+        """Remove every spool file (one that fails to go does not keep the others), then
+        release the staged buffers the items were read from."""
+        try:
+            for sf in spools:
+                try:
+                    sf.discard()
+                except Exception as exc:  # noqa: BLE001 -- the other spools must go too
+                    logger.warning("rank %d: removing the spool file of %s failed (%s)",
+                                   self._rank, sf.name, type(exc).__name__)
+        finally:
+            self._staging.finished_reading(items, planner)
 
     def _write_local_only(self, items: list[WriteItem], planner: SavePlanner,
                           prefix: _SavePrefix) -> list[WriteResult]:
@@ -425,32 +359,25 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         local disk); the descriptor is written by :meth:`complete_local_only`, last."""
         assert self.local_tier is not None
         start = time.monotonic()
-        directory = self.spool.resolved_directory()
-        remove_dead_spools(directory)
-        check_free_space(directory, sum(_item_nbytes(i) for i in items) + (1 << 20),
-                         self.spool.free_space_margin)
-        tier = _tier.TierSave(self.local_tier, self._url, prefix.save_id, self._rank)
+        directory = self._spool_directory(items)
+        tier = TierSave(self.local_tier, self._url, prefix.save_id, self._rank)
         self._local_pending = None
-        spools: list[SpoolFile] = []
-        results: list[WriteResult] = []
-        total = 0
+
+        def open_file(relative: str, expected: int) -> tuple[SpoolFile, Any]:
+            sf = SpoolFile(relative, mode="disk", directory=directory,
+                           part_size=self.transfer.part_size, emit=_no_upload)
+            return sf, _nothing
+
+        out = ShardFiles()
         try:
-            with _without_torch_zip_crc():
-                for index, bucket in enumerate(_split_by_size(self.spool.files_per_rank, items)):
-                    relative = _layout.shard_path(self.transfer.key_layout, prefix.rank, index,
-                                                  prefix.save_id)
-                    sf = SpoolFile(relative, mode="disk", directory=directory,
-                                   part_size=self.transfer.part_size, emit=_no_upload)
-                    spools.append(sf)
-                    for item in bucket:
-                        results.append(self._write_item(sf, item, planner, relative))
-                    total += sf.close()
+            spool_items(out, items, planner, files=self.spool.files_per_rank,
+                        shard_path=self._shard_path(prefix), open_file=open_file)
             spool_end = time.monotonic()
-            if not tier.admit(total):
+            if not tier.admit(out.nbytes):
                 raise errors.SpoolError(
-                    f"rank {self._rank}: a local-only save of {total} bytes exceeds "
+                    f"rank {self._rank}: a local-only save of {out.nbytes} bytes exceeds "
                     "LocalTierOptions.max_bytes: raise it, or save to the store")
-            for sf in spools:
+            for sf in out.spools:
                 if sf.path is not None:
                     tier.keep(sf.path, sf.name, sf.tell(), sync=True)
             if not tier.ok:
@@ -461,20 +388,24 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             tier.abandon()
             raise
         finally:
-            for sf in spools:
-                sf.discard()
-            self._staging.finished_reading(items, planner)
+            self._discard(out.spools, items, planner)
         self._local_pending = tier
         end = time.monotonic()
-        self.last_stats = SaveStats(rank=self._rank, bytes=total, files=len(spools),
+        self.last_stats = SaveStats(rank=self._rank, bytes=out.nbytes, files=len(out.spools),
                                     spool_s=spool_end - start, upload_s=end - start,
-                                    upload_tail_s=end - spool_end, bytes_kept_local=total)
+                                    upload_tail_s=end - spool_end, bytes_kept_local=out.nbytes)
         logger.info("rank %d wrote %d bytes in %d files to the local tier for a local-only "
-                    "save of %s: %.2fs", self._rank, total, len(spools),
+                    "save of %s: %.2fs", self._rank, out.nbytes, len(out.spools),
                     redact_url(self._url), end - start)
-        return results
+        return out.results
 
-    def complete_local_only(self, commit: _tier.LocalCommit | None) -> bool:
+    def take_local_commit(self) -> LocalCommit | None:
+        """The coordinator's ``.metadata`` and manifest of the local-only save that just
+        finished (None on other ranks, or before :meth:`finish`); handed out once."""
+        commit, self._local_commit = self._local_commit, None
+        return commit
+
+    def complete_local_only(self, commit: LocalCommit | None) -> bool:
         """Finish this rank's part of a local-only save: the coordinator's ``.metadata``
         and manifest bytes (``commit``, the same on every rank), then the descriptor.
         Returns whether this rank's copy is complete (a failure is a WARNING)."""
@@ -495,7 +426,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                     prefix: _SavePrefix) -> int:
         """Move this rank's uploaded spool files into the local tier; the bytes kept. Never
         raises (an Exception): the save is durable in the store whatever happens here."""
-        tier = _tier.TierSave(options, self._url, prefix.save_id, self._rank)
+        tier = TierSave(options, self._url, prefix.save_id, self._rank)
         try:
             if not tier.admit(sum(sf.tell() for sf in spools)):
                 return 0
@@ -509,43 +440,20 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             tier.abandon()
             return 0
 
-    @staticmethod
-    def _write_item(sf: SpoolFile, item: WriteItem, planner: SavePlanner,
-                    relative: str) -> WriteResult:
-        data = planner.resolve_data(item)
-        tensor = None
-        if isinstance(data, io.BytesIO):
-            sf.begin_item()
-            sf.write(data.getbuffer())
-        else:
-            tensor = _cpu_tensor(data)
-            partial = tensor.is_contiguous() and tensor.nbytes >= 2 * _DATA_BLOCK
-            sf.begin_item(data_bytes=tensor.nbytes if partial else 0, block_size=_DATA_BLOCK)
-            torch.save(tensor, cast(IO[bytes], sf))
-        offset, length, crc, layout = sf.end_item()
-        entry = None
-        if layout is not None and tensor is not None:
-            entry = ItemEntry(length, crc, layout.data_offset, layout.block_size,
-                              tuple(layout.block_crcs), tuple(tensor.shape),
-                              str(tensor.dtype).removeprefix("torch."))
-        return _CheckedWriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=_StorageInfo(relative, offset, length),
-                                   crc32c=crc, layout=entry)
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._save_id is None:
             raise errors.DCPVolumesError("finish() called without prepare_global_plan()")
         save_id = self._save_id
         start = time.monotonic()
         with paused_gc():  # a million items: see paused_gc
-            manifest = _manifest_of(save_id, results)
+            manifest = manifest_of(save_id, f"dcp_volumes {__version__}", results)
             metadata.storage_data = {wr.index: _plain_storage_info(wr.storage_data)
                                      for rank_results in results for wr in rank_results}
             set_save_id(metadata, save_id, self._url)
             metadata_bytes = pickle.dumps(metadata)
-        if self._local_only:
+        if self.local_only:
             # completed on every rank by the Checkpointer, which broadcasts these bytes
-            self._local_commit = _tier.LocalCommit(save_id, metadata_bytes, manifest.to_json())
+            self._local_commit = LocalCommit(save_id, metadata_bytes, manifest.to_json())
             return
         backend = self._backend()
         stats = CallStats()
@@ -564,6 +472,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             with contextlib.suppress(Exception):  # best effort: gc collects a stale record
                 backend.run(lambda: _commit.end_live(backend, save_id))
         commit_s = time.monotonic() - start
+        self.last_commit = DurableBase(normal_url(self._url), save_id, manifest.sha256)
         _commit.remove_superseded(backend, superseded)
         prev = self.last_stats or SaveStats(rank=self._rank)
         self.last_stats = dataclasses.replace(prev, commit_s=commit_s,
@@ -576,19 +485,11 @@ def _no_upload(part: Any) -> None:
     """A local-only save's spool files are not uploaded: their parts go nowhere."""
 
 
-def check_local_tier(local_tier: object, spool: SpoolOptions) -> LocalTierOptions | None:
-    """``local_tier=`` of a writer (or a Checkpointer) checked against its spool options."""
-    if local_tier is None:
-        return None
-    if not isinstance(local_tier, LocalTierOptions):
-        raise errors.ConfigError(
-            f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
-    if spool.mode != "disk":
-        raise errors.ConfigError(
-            "local_tier= keeps the spooled files, and SpoolOptions(mode='memory') spools to "
-            "no file: use SpoolOptions(mode='disk') (ideally on the tier's filesystem, so "
-            "files are moved, not copied), or drop local_tier=")
-    return local_tier
+_nothing = functools.partial(_no_upload, None)  # a local-only file needs nothing once full
+
+
+def _shard_path(key_layout: str, prefix: _SavePrefix, index: int) -> str:
+    return _layout.shard_path(key_layout, prefix.rank, index, prefix.save_id)
 
 
 def _plain_storage_info(info: Any) -> _StorageInfo:
@@ -597,21 +498,3 @@ def _plain_storage_info(info: Any) -> _StorageInfo:
     if type(info) is _StorageInfo:
         return info
     return _StorageInfo(info.relative_path, info.offset, info.length)
-
-
-def _manifest_of(save_id: str, results: list[list[WriteResult]]) -> Manifest:
-    """The integrity manifest of a save from every rank's write results."""
-    manifest = Manifest(save_id=save_id, writer=f"dcp_volumes {__version__}",
-                        world_size=len(results))
-    for rank_results in results:
-        for wr in rank_results:
-            if not isinstance(wr, _CheckedWriteResult):
-                raise errors.DCPVolumesError(
-                    f"a write result of item {wr.index} carries no checksum: it was not "
-                    "written by VolumeWriter.write_data (a custom planner or writer mixed in?)"
-                )
-            info = wr.storage_data
-            entry = manifest.files.setdefault(info.relative_path, FileEntry())
-            entry.items[info.offset] = wr.layout or ItemEntry(info.length, wr.crc32c)
-            entry.size = max(entry.size, info.offset + info.length)
-    return manifest

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _direct import disk_dir  # noqa: F401  (the O_DIRECT fixture, for every module)
 
 from dcp_volumes.testing.faultproxy import FaultProxy
 from dcp_volumes.testing.servers import LocalServer, ServerNotAvailableError, start_server

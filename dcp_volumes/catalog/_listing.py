@@ -384,6 +384,7 @@ def latest(
     storage_options: dict[str, Any] | None = None,
     step_pattern: str | re.Pattern[str] | None = None,
     process_group: ProcessGroup | None = None,
+    broadcast: bool = True,
 ) -> CheckpointInfo | None:
     """The newest checkpoint under ``root`` that loads (highest step), or ``None``.
 
@@ -401,6 +402,8 @@ def latest(
         storage_options: passed to fsspec unchanged; never logged.
         step_pattern: as for :func:`list_checkpoints`.
         process_group: the group to broadcast over (default: the default group).
+        broadcast: ``False``: this rank lists by itself, no collective (for one rank's own
+            use, e.g. the coordinator's, while the others are elsewhere).
     """
 
     def newest() -> CheckpointInfo | None:
@@ -409,6 +412,6 @@ def latest(
         )
         return _newest_complete(check_newest(infos, storage_options, read=0, loadable=1))
 
-    if not _distributed(process_group):
+    if not broadcast or not _distributed(process_group):
         return newest()
     return _on_rank0_then_broadcast(newest, process_group)  # type: ignore[no-any-return]

@@ -2,8 +2,8 @@
 local-only saves (never in the store). ``dcp-volumes ls --local-tier DIR`` shows both next
 to the store's listing.
 
-The tier's layout is :mod:`dcp_volumes._tier`'s; everything in it is untrusted, so a
-local-only save counts only when :func:`dcp_volumes._tier.find_local_only` accepts it (its
+The tier's layout is :mod:`dcp_volumes.tier`'s; everything in it is untrusted, so a
+local-only save counts only when :func:`dcp_volumes.tier.find_local_only` accepts it (its
 descriptor, ``.metadata`` and manifest checked, its files present at their sizes).
 """
 
@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dcp_volumes.catalog._common import compile_step_pattern, step_of
 from dcp_volumes.config import LocalTierOptions
 
 __all__ = ["TierCopy", "local_tier_copies"]
+
+if TYPE_CHECKING:
+    from dcp_volumes.tier import Descriptor
 
 TierKind = Literal["local-only", "local-copy"]
 
@@ -68,15 +71,6 @@ class TierCopy:
         }
 
 
-def _norm(url: str) -> str:
-    from dcp_volumes._tier import normal_url
-
-    u = normal_url(url)
-    if "://" not in u:  # a local directory: compare absolute paths
-        u = os.path.abspath(u)
-    return u
-
-
 def local_tier_copies(
     root: str | os.PathLike[str],
     directory: str | os.PathLike[str],
@@ -90,50 +84,30 @@ def local_tier_copies(
         directory: the ``LocalTierOptions.directory`` of this node.
         step_pattern: as for :func:`~dcp_volumes.catalog.list_checkpoints`.
     """
-    # here, not at the top: the tier's module imports torch, and `import dcp_volumes.catalog`
-    # (ls --check 0) must not
-    from dcp_volumes import _tier
+    # here, not at the top: checking a local-only save's .metadata imports torch, and
+    # `import dcp_volumes.catalog` (ls --check 0) must not
+    from dcp_volumes import tier
 
     pattern = compile_step_pattern(step_pattern)
-    prefix = _norm(os.fspath(root)) + "/"
-
-    def name_of(url: str) -> str | None:
-        u = _norm(url)
-        name = u[len(prefix) :] if u.startswith(prefix) else ""
-        return name if name and "/" not in name else None
-
     options = LocalTierOptions(directory=os.fspath(directory), keep_last=None)
     valid = {
         (c.url, c.save_id, c.rank): c.world
-        for c in _tier.find_local_only(options, lambda u: name_of(u) is not None)
+        for c in tier.find_local_only(options, lambda u: tier.name_under(root, u) is not None)
     }
     found: dict[tuple[str, str, TierKind], dict[str, Any]] = {}
-    tier_root = options.resolved_directory()
-    for udir in _tier._scandir(tier_root):
-        if not (_tier._URL_KEY_RE.match(udir.name) and udir.is_dir(follow_symlinks=False)):
-            continue
-        for sdir in _tier._scandir(udir.path):
-            if not (_tier._SAVE_KEY_RE.match(sdir.name) and sdir.is_dir(follow_symlinks=False)):
+    for sdir in tier.walk_saves(options.resolved_directory()):
+        for d in sdir.descriptors():
+            name = tier.name_under(root, d.url)
+            if name is None:
                 continue
-            for d in _tier._descriptors(sdir.path, None, sdir.name):
-                name = name_of(d.url)
-                if name is None or _tier.url_key(d.url) != udir.name:
-                    continue
-                kind: TierKind = "local-copy"
-                world = None
-                if d.local_only is not None:
-                    world = valid.get((d.url, d.local_only[0], d.rank))
-                    if world is None:
-                        continue  # damaged or incomplete on this node: never used
-                    kind = "local-only"
-                entry = found.setdefault(
-                    (name, sdir.name, kind),
-                    {"ranks": set(), "world": world, "bytes": 0, "files": 0, "created": 0.0},
-                )
-                entry["ranks"].add(d.rank)
-                entry["bytes"] += sum(d.files.values())
-                entry["files"] += len(d.files)
-                entry["created"] = max(entry["created"], d.created)
+            kind: TierKind = "local-copy"
+            world = None
+            if d.local_only is not None:
+                world = valid.get((d.url, d.local_only.save_id, d.rank))
+                if world is None:
+                    continue  # damaged or incomplete on this node: never used
+                kind = "local-only"
+            _add(found.setdefault((name, sdir.save_key, kind), _entry(world)), d)
     out = [
         TierCopy(
             name=name,
@@ -149,3 +123,14 @@ def local_tier_copies(
     ]
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.name, c.created))
     return out
+
+
+def _entry(world: int | None) -> dict[str, Any]:
+    return {"ranks": set(), "world": world, "bytes": 0, "files": 0, "created": 0.0}
+
+
+def _add(entry: dict[str, Any], d: Descriptor) -> None:
+    entry["ranks"].add(d.rank)
+    entry["bytes"] += d.nbytes
+    entry["files"] += len(d.files)
+    entry["created"] = max(entry["created"], d.created)

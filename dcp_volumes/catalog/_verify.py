@@ -1,8 +1,9 @@
 """Verify: read a checkpoint back and check it against its manifest.
 
-The bytes go through the reader's own fetch-and-check path: each stored item becomes a
+The bytes go through the reader's own serve path: each stored item becomes a
 :class:`~dcp_volumes.transfer.readplan.Need`, needs are coalesced into ranged GETs by
-``plan_ranges``, fetched by ``fetch_ranges`` and checked by ``check_need`` -- so ``verify``
+``plan_ranges``, fetched by ``transfer.serve.serve_store`` and checked by ``check_need``
+(recorded in the file's report instead of raised) -- so ``verify``
 passes exactly when a load would find every byte intact. A large tensor whose manifest
 records per-block CRC32Cs is read in pieces of at most ``chunk_size`` bytes (its blocks
 checked one by one, the bytes around them folded into the item's CRC32C), so memory stays
@@ -338,28 +339,23 @@ def _fetch_and_check(
     progress: Progress | None,
 ) -> int:
     """Fetch every need as the reader does and check it; returns the bytes read."""
-    from dcp_volumes.transfer.download import fetch_ranges
     from dcp_volumes.transfer.readplan import plan_ranges
+    from dcp_volumes.transfer.serve import serve_store
 
     url = redact_url(backend.url)
-    ranges = plan_ranges(plan.needs, gap=0, max_size=chunk_size)
-    total = sum(r.end - r.start for r in ranges)
-    read = 0
-    for rng, data in fetch_ranges(
+    read = serve_store(
         backend,
-        ranges,
+        plan_ranges(plan.needs, gap=0, max_size=chunk_size),
+        url=url,
+        # a failure is recorded in the file's report, never raised: every file is checked
+        check=lambda need, chunk: _check(need, chunk, files[need.relative], plan, url),
+        apply=None,
         max_concurrency=max_concurrency,
         chunk_size=chunk_size,
         stats=CallStats(),
         on_missing=lambda _rng, exc: exc,  # deleted while verifying: raise, as a load would
-    ):
-        read += len(data)
-        view = memoryview(data)
-        for need in rng.items:
-            chunk = view[need.start - rng.start : need.end - rng.start]
-            _check(need, chunk, files[need.relative], plan, url)
-        if progress is not None:
-            progress(read, total)
+        progress=progress,
+    )
     for split in plan.split.values():
         _check_folded(split, files[split.relative], url)
     return read

@@ -385,7 +385,9 @@ def _add_rm(sub: Any, common: argparse.ArgumentParser) -> None:
         description=(
             "Remove one checkpoint: .metadata first, so readers never see it partially\n"
             "deleted, then its other objects. Refuses a URL holding sub-directories (a run\n"
-            "root) or no checkpoint files."
+            "root) or no checkpoint files. Node-local tiers are not touched: local copies\n"
+            "of it stay until the tier's retention evicts them, and local-only saves that\n"
+            "continued it are never loaded again (docs/guarantees.md, lineage rule)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -422,7 +424,8 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
             "Find what failed or superseded saves left under a run root, older than\n"
             "--older-than: incomplete checkpoints (no .metadata), shards and manifests of\n"
             "saves that never committed inside complete checkpoints, and stale S3 multipart\n"
-            "uploads. A dry run unless --yes."
+            "uploads. A dry run unless --yes. Only the store: node-local tiers keep their\n"
+            "own retention (LocalTierOptions keep_last / max_bytes)."
         ),
         epilog="examples:\n  dcp-volumes gc s3://bucket/run-42/\n"
         "  dcp-volumes gc s3://bucket/run-42/ --older-than 6h --yes",

@@ -9,11 +9,14 @@ and sent to the others (``VolumeReader(cooperative=...)``, default ``"auto"``), 
   directly.
 - sharded + replicated state saved on 2, loaded on 3 and 4: bit-identical, fetched once.
 - a flipped byte: ``IntegrityError`` on every rank, quickly; a rank killed mid-load: every
-  other rank raises ``DownloadError`` in bounded time.
+  other rank raises ``DownloadError`` in bounded time; a rank that hangs: the others raise
+  ``DownloadError`` after ``cooperative_timeout_s`` plus DCP's own wait for the process
+  group's timeout, and the message says so.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -236,6 +239,61 @@ def test_a_rank_killed_mid_load_fails_the_others_in_bounded_time(replicated_on_f
     assert all(o["s"] < 90 for o in reported.values()), reported
 
 
+#: how long the hung rank stalls before it dies (longer than the survivors may take)
+HANG_S = 45.0
+
+
+class _HangOnSecondTensor(DefaultLoadPlanner):
+    """The victim rank stops answering when its second tensor is complete (alive, stuck),
+    and is SIGKILLed ``HANG_S`` later (so the test ends)."""
+
+    def __init__(self, hang: bool) -> None:
+        super().__init__()
+        self.hang = hang
+        self.committed = 0
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        self.committed += 1
+        if self.hang and self.committed == 2:
+            time.sleep(HANG_S)
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().commit_tensor(read_item, tensor)
+
+
+def _load_with_a_hung_rank(rank: int, world: int, url: str, options: dict[str, Any]
+                           ) -> dict[str, Any]:
+    # DCP's own collectives run on a group of every rank with a short timeout (as
+    # init_process_group(timeout=...) would set it for the default group); ours on the default
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=8))
+    target = replicated_state(zeros=True)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        typed_load(target, url, storage_options=options, cooperative_timeout_s=4,
+                   process_group=group, planner=_HangOnSecondTensor(rank == VICTIM))
+    except errors.DCPVolumesError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "s": time.monotonic() - start}
+    return {"error": None, "s": time.monotonic() - start}
+
+
+def test_a_hung_rank_fails_the_others_within_both_timeouts(replicated_on_four: Any) -> None:
+    """A rank that hangs (alive, not answering) fails the others after
+    ``cooperative_timeout_s``; DCP's own gather after ``read_data`` then waits for it up to
+    the process group's timeout, and the error says so (and how to lower it)."""
+    url, options, _ = replicated_on_four
+    reported = {rank: out if ok else {"error": f"untyped: {out}"}
+                for rank, (ok, out) in run_ranks_with_victim(
+                    4, VICTIM, _load_with_a_hung_rank, url, options, timeout=180).items()}
+    assert sorted(reported) == [r for r in range(4) if r != VICTIM]
+    assert all(o["error"] == "DownloadError" for o in reported.values()), reported
+    # 4 s of ours, then up to 8 s in DCP's gather: well before the hung rank dies
+    assert all(4 <= o["s"] < HANG_S - 15 for o in reported.values()), reported
+    for o in reported.values():
+        assert "process group's timeout" in o["message"], o["message"]
+        assert "dist.init_process_group(timeout=...)" in o["message"], o["message"]
+        assert "waited at most" not in o["message"], o["message"]
+
+
 def _save_replicated(rank: int, world: int, url: str, options: dict[str, Any]) -> None:
     dcp.save(replicated_state(), storage_writer=VolumeWriter(
         url, storage_options=options, spool=SpoolOptions(files_per_rank=1)))
@@ -247,3 +305,5 @@ def test_options_are_checked() -> None:
         VolumeReader(f"memory://x/{uuid.uuid4().hex}", cooperative="yes")  # type: ignore[arg-type]
     with pytest.raises(errors.ConfigError, match="cooperative_timeout_s"):
         VolumeReader(f"memory://x/{uuid.uuid4().hex}", cooperative_timeout_s=0)
+    with pytest.raises(errors.ConfigError, match="local_commit= must be a LocalCommit"):
+        VolumeReader(f"memory://x/{uuid.uuid4().hex}", local_commit=b"x")  # type: ignore[arg-type]

@@ -42,10 +42,10 @@ from dcp_volumes import (
     TransferOptions,
     VolumeReader,
     _layout,
-    _replicate,
-    _tier,
+    tier,
 )
 from dcp_volumes.testing.dist import run_ranks
+from dcp_volumes.tier import _partners
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -259,21 +259,21 @@ def _content(rank: int, index: int) -> bytes:
 
 
 def _exchange(rank: int, world: int, tiers: str) -> None:
-    _replicate.CHUNK_BYTES = 1000
+    _partners.CHUNK_BYTES = 1000
     opts = LocalTierOptions(directory=os.path.join(tiers, f"node{rank}"), keep_last=None,
                             partner_replicas=True, ranks_per_node=1)
     for url in ("s3://b/run/ok", "s3://b/run/blocked"):
-        keep = _tier.TierSave(opts, url, SAVE_KEY, rank)
+        keep = tier.TierSave(opts, url, SAVE_KEY, rank)
         for index in range(len(SIZES)):
             src = os.path.join(tiers, f"spool{rank}-{index}")
             Path(src).write_bytes(_content(rank, index))
             keep.keep(src, _shard(rank, index), SIZES[index])
         keep.complete()
         if url.endswith("blocked") and rank == 1:  # rank 0's first file cannot land here
-            os.makedirs(os.path.join(opts.resolved_directory(), _tier.url_key(url), SAVE_KEY,
+            os.makedirs(os.path.join(opts.resolved_directory(), tier.url_key(url), SAVE_KEY,
                                      _shard(0, 0)))
         dist.barrier()
-        kept = _replicate.replicate(opts, url, group=None)
+        kept = tier.replicate(opts, url, group=None)
         assert kept == (0 if url.endswith("blocked") and rank == 1 else sum(SIZES)), kept
     dist.barrier()
 
@@ -283,7 +283,7 @@ def test_files_stream_in_chunks_and_a_failing_receiver_keeps_nothing(tmp_path: P
     for url in ("s3://b/run/ok", "s3://b/run/blocked"):
         for node in (0, 1):
             sender = 1 - node
-            d = tmp_path / f"node{node}" / _tier.url_key(url) / SAVE_KEY
+            d = tmp_path / f"node{node}" / tier.url_key(url) / SAVE_KEY
             desc = d / f".dcpv-tier-{sender}.json"
             assert not list(d.glob("*.tmp-*"))
             if url.endswith("blocked") and node == 1:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, catalog, errors
-from dcp_volumes._tier import url_key
 from dcp_volumes.testing.dist import run_ranks
+from dcp_volumes.tier import url_key
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -73,21 +72,33 @@ def test_due_over_twelve_steps(tmp_path: Path) -> None:
     assert [s for s in range(1, 13) if ckpt.should_save(s)] == [2, 4, 6, 8, 10, 12]
 
 
+class FakeClock:
+    """Monotonic seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_local_every_seconds(tmp_path: Path) -> None:
+    clock = FakeClock()
     ckpt = _ckpt(tmp_path / "run", tmp_path, every_steps=100, local_every_steps=None,
-                 local_every_seconds=0.2)  # fmt: skip
+                 local_every_seconds=0.2, clock=clock)  # fmt: skip
     assert ckpt.due(1) is None
-    time.sleep(0.25)
+    clock.now += 0.25
     assert ckpt.due(2) == "local-only"
     assert ckpt.due(100) == "durable"  # due for both: durable
 
 
 def test_durable_clock_is_not_reset_by_local_saves(tmp_path: Path) -> None:
+    clock = FakeClock()
     ckpt = _ckpt(tmp_path / "run", tmp_path, every_steps=None, every_seconds=0.3,
-                 local_every_steps=1)  # fmt: skip
+                 local_every_steps=1, clock=clock)  # fmt: skip
     with ckpt:
         assert ckpt.save(1, state_at(1))  # local-only
-        time.sleep(0.35)
+        clock.now += 0.35
         assert ckpt.save(2, state_at(2))  # local save started 0.35 s ago, durable never: durable
         assert ckpt.due(3) == "local-only"
     assert store_steps(tmp_path / "run") == [2]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from _cli import run_cli
+from _direct import direct_supported
 from _error_shapes import ClientErrorShape
 
 from dcp_volumes import errors
@@ -72,25 +73,12 @@ def test_an_answer_ends_the_run_of_throttles() -> None:
 # ---- the spool --------------------------------------------------------------------------------
 
 
-def _direct_supported(directory: Path) -> bool:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    path = directory / f"probe-{uuid.uuid4().hex[:6]}"
-    path.touch()
-    try:
-        os.close(os.open(path, os.O_RDONLY | flag))
-        return True
-    except OSError:
-        return False
-    finally:
-        path.unlink()
 
 
 @pytest.mark.parametrize("first_flush", [True, False], ids=["first-flush", "later-flush"])
 def test_enospc_during_a_direct_flush_still_removes_the_spool_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_flush: bool) -> None:
-    if not _direct_supported(tmp_path):
+    if not direct_supported(tmp_path):
         pytest.skip("the test directory's filesystem refuses O_DIRECT")
     real_write = os.write
     flushes = [0]

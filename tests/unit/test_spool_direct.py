@@ -1,7 +1,7 @@
 """The disk spool with ``O_DIRECT`` (``SpoolOptions.direct_io``): the same bytes, parts and
 checksums as the cached spool, whatever the write sizes and part alignment; tmpfs (which
 refuses ``O_DIRECT``) falls back to cached writes; whole saves load bit-identical from a
-real store (local files; SeaweedFS over S3 in tests/integration/test_spool_direct.py)."""
+real store (local files; SeaweedFS over S3 in tests/integration/test_spool_direct_s3.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _direct import direct_supported
 
 from dcp_volumes import (
     LocalTierOptions,
@@ -32,26 +33,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MiB = 1 << 20
 
 
-def _direct_supported(directory: Path) -> bool:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    path = directory / f"probe-{uuid.uuid4().hex[:6]}"
-    path.touch()
-    try:
-        os.close(os.open(path, os.O_RDONLY | flag))
-        return True
-    except OSError:
-        return False
-    finally:
-        path.unlink()
 
 
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Path:
-    if not _direct_supported(tmp_path):
-        pytest.skip("the test directory's filesystem refuses O_DIRECT")
-    return tmp_path
 
 
 def _spool(directory: Path, part_size: int, pieces: list[bytes], direct: bool
@@ -130,7 +113,7 @@ def test_tmpfs_falls_back_to_cached_writes() -> None:
     directory = Path("/dev/shm") / f"dcpv-test-{uuid.uuid4().hex[:8]}"
     sf, parts, whole = _spool(directory, 5 * MiB, [os.urandom(7 * MiB + 1)], True)
     try:
-        if _direct_supported(directory):
+        if direct_supported(directory):
             pytest.skip("this tmpfs takes O_DIRECT")
         assert sf._direct is None
         assert b"".join(bytes(sf.read(p)) for p in parts) == whole

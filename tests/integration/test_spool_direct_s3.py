@@ -4,13 +4,10 @@ helpers it needs are copies of that module's."""
 
 from __future__ import annotations
 
-import os
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -21,26 +18,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MiB = 1 << 20
 
 
-def _direct_supported(directory: Path) -> bool:
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    path = directory / f"probe-{uuid.uuid4().hex[:6]}"
-    path.touch()
-    try:
-        os.close(os.open(path, os.O_RDONLY | flag))
-        return True
-    except OSError:
-        return False
-    finally:
-        path.unlink()
 
 
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Path:
-    if not _direct_supported(tmp_path):
-        pytest.skip("the test directory's filesystem refuses O_DIRECT")
-    return tmp_path
 
 
 def _state() -> dict[str, Any]:

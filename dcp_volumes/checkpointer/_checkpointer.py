@@ -1,0 +1,500 @@
+"""The :class:`Checkpointer` (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import _compat, catalog, errors
+from dcp_volumes._api import typed_errors
+from dcp_volumes.backends import parse_url, redact_url
+from dcp_volumes.checkpointer._background import Pending, watch
+from dcp_volumes.checkpointer._policy import (
+    Marks,
+    SaveKind,
+    SavePolicy,
+    check_step_format,
+    retain,
+)
+from dcp_volumes.checkpointer._resume import durable_identity, newest_local_only
+from dcp_volumes.config import (
+    LocalTierOptions,
+    RetryOptions,
+    SpoolOptions,
+    TransferOptions,
+    check_local_tier,
+)
+from dcp_volumes.reader import VolumeReader
+from dcp_volumes.stats import LoadStats
+from dcp_volumes.tier import DurableBase, LocalCommit, name_under, normal_url, replicate
+from dcp_volumes.writer import VolumeWriter
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from typing_extensions import Self
+
+__all__ = ["Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+class Checkpointer:
+    """Save on a policy, keep what a retention policy says, resume from the latest checkpoint.
+
+    Checkpoint ``N`` goes to ``f"{root}/{step_format.format(step=N)}"`` (default
+    ``step-00000500``) through :class:`~dcp_volumes.VolumeWriter`; it is complete once its
+    ``.metadata`` is committed. After each commit, rank 0 applies the retention policy
+    (:func:`dcp_volumes.catalog.apply_retention`; a retention failure is logged as a warning,
+    it never fails the save).
+
+    Distributed runs: every rank constructs the Checkpointer at the same point (it creates gloo
+    process groups over all ranks, so it works whatever the default backend is) and calls
+    :meth:`save` and :meth:`load_latest` at the same steps. :meth:`should_save` is a collective
+    when ``every_seconds`` is set (rank 0's clock decides for everyone); otherwise it is local.
+
+    With ``async_save=True`` a save returns after staging (a memory copy) and uploads in a
+    background thread (``dcp.async_save``, THREAD executor, on a process group of its own so it
+    never interleaves with the training loop's collectives). The next :meth:`save` first waits
+    for the previous one; a failed background save is raised by the next :meth:`save` that
+    saves (a due step, or ``force``), :meth:`wait`, :meth:`load_latest` or :meth:`close` -- never
+    swallowed.
+
+    Args:
+        root: the run root, e.g. ``"s3://bucket/run-42"`` or a local directory.
+        storage_options: passed to fsspec unchanged; never logged.
+        every_steps: save when ``step % every_steps == 0``.
+        every_seconds: save when at least this long has passed since the last durable save
+            started (or since construction / :meth:`load_latest`). With both set, either
+            triggers a save; with neither, every :meth:`save` call saves.
+        local_every_steps: a second, faster cadence of *local-only* saves (needs
+            ``local_tier=`` and a durable cadence, ``every_steps`` or ``every_seconds``):
+            a local-only save when ``step % local_every_steps == 0``. A step due for both
+            gets the durable save (which keeps a local copy too).
+        local_every_seconds: a local-only save when at least this long has passed since the
+            last save of either kind started. See ``docs/goodput.md`` (two tiers) for
+            choosing both cadences (``dcp-volumes plan --local-save-s``).
+        drain: with ``async_save`` and a local cadence: a save due as local-only is made
+            durable instead when no upload is in flight (the previous durable save has
+            committed), so durable saves follow each other as fast as the store takes them
+            and local-only saves fill the time an upload takes. ``every_steps`` /
+            ``every_seconds`` still force durable saves.
+        keep_last: keep the last N complete checkpoints (see :func:`~dcp_volumes.catalog.
+            apply_retention`); ``None`` keeps all.
+        keep_every: also keep every checkpoint whose step is a multiple of K.
+        async_save: upload in the background (see above).
+        overwrite: replace a complete checkpoint already at a step's URL (as
+            :class:`~dcp_volumes.VolumeWriter`'s ``overwrite``); off by default.
+        spool: :class:`~dcp_volumes.SpoolOptions` for every save.
+        transfer: :class:`~dcp_volumes.TransferOptions` for every save and load.
+        retry: :class:`~dcp_volumes.RetryOptions` for every save and load.
+        local_tier: :class:`~dcp_volumes.LocalTierOptions`: every save also keeps each rank's
+            files on node-local disk, and :meth:`load_latest` reads what is there (checked
+            against the committed checkpoint) before the store. Its ``keep_last`` and
+            ``max_bytes`` apply to the local copies only (local-only saves included). Needed
+            by ``save(..., local_only=True)``.
+        safe_globals: classes a checkpoint's pickled non-tensor items may reference on load
+            (as :class:`~dcp_volumes.VolumeReader`'s ``safe_globals``).
+        step_format: directory name of a step, a ``str.format`` template with ``{step}``.
+        step_pattern: regular expression that parses the step back from a directory name
+            (default: :data:`dcp_volumes.catalog.DEFAULT_STEP_PATTERN`); must agree with
+            ``step_format``.
+        clock: the monotonic clock ``every_seconds`` / ``local_every_seconds`` are judged by
+            (``time.monotonic``; tests and simulations pass their own).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        /,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        local_every_steps: int | None = None,
+        local_every_seconds: float | None = None,
+        drain: bool = False,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        overwrite: bool = False,
+        spool: SpoolOptions | None = None,
+        transfer: TransferOptions | None = None,
+        retry: RetryOptions | None = None,
+        local_tier: LocalTierOptions | None = None,
+        safe_globals: Sequence[Any] = (),
+        step_format: str = "step-{step:08d}",
+        step_pattern: str | re.Pattern[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        url = os.fspath(root)
+        parse_url(url)
+        self.root = url.rstrip("/") if url.rstrip("/") else url
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
+        self.storage_options = dict(storage_options or {})
+        self.policy = SavePolicy(every_steps, every_seconds, local_every_steps,
+                                 local_every_seconds, drain, clock)
+        self.policy.check_with(local_tier=local_tier is not None, async_save=bool(async_save))
+        catalog.check_count("keep_last", keep_last)
+        catalog.check_count("keep_every", keep_every)
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = bool(async_save)
+        for name, value, cls in (("spool", spool, SpoolOptions),
+                                 ("transfer", transfer, TransferOptions),
+                                 ("retry", retry, RetryOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise errors.ConfigError(
+                    f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
+        self.overwrite = bool(overwrite)
+        self.spool, self.transfer, self.retry = spool, transfer, retry
+        self.local_tier = check_local_tier(local_tier, spool or SpoolOptions())
+        self.safe_globals = tuple(safe_globals)
+        self.step_format = step_format
+        self.step_pattern = catalog.compile_step_pattern(step_pattern)
+        check_step_format(step_format, self.step_pattern)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        # one writer per kind of save (the staging buffers belong to the process: shared)
+        self._writers: dict[bool, VolumeWriter] = {}
+        #: this rank's :class:`~dcp_volumes.LoadStats` of the last :meth:`load_latest`
+        self.last_load_stats: LoadStats | None = None
+        self._pending: Pending | None = None
+        self._closed = False
+        self._marks = Marks()
+        self._marks.reset(self.policy.clock())
+        # the durable checkpoint the next local-only save continues (rank 0 records it)
+        self._base: DurableBase | None = None
+        self._base_known = False
+        self._lock = threading.Lock()
+        # Groups: control collectives (should_save, latest, sync save, load) run on the caller's
+        # thread; background saves get a group of their own so the two never interleave.
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._ctl_group: dist.ProcessGroup | None = None
+        self._save_group: dist.ProcessGroup | None = None
+        if self._distributed:
+            self._ctl_group = dist.new_group(backend="gloo")
+            self._save_group = dist.new_group(backend="gloo") if self.async_save else None
+
+    # the cadences, as the policy holds them
+    every_steps = property(lambda self: self.policy.every_steps)
+    every_seconds = property(lambda self: self.policy.every_seconds)
+    local_every_steps = property(lambda self: self.policy.local_every_steps)
+    local_every_seconds = property(lambda self: self.policy.local_every_seconds)
+    drain = property(lambda self: self.policy.drain)
+
+    # ---- policy --------------------------------------------------------------------------
+    def url_for(self, step: int) -> str:
+        """The URL checkpoint ``step`` is saved to."""
+        return f"{self.root}/{self.step_format.format(step=step)}"
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last save started (or loaded by :meth:`load_latest`)."""
+        return self._marks.last_step
+
+    def should_save(self, step: int) -> bool:
+        """Whether the policy asks for a checkpoint (of either kind) at ``step``.
+
+        False for the step saved last. Collective when ``every_seconds`` or
+        ``local_every_seconds`` is set in a distributed run: every rank must call it at the
+        same steps.
+        """
+        return self.due(step) is not None
+
+    def due(self, step: int) -> SaveKind | None:
+        """Which save the policy asks for at ``step``: ``"durable"``, ``"local-only"`` (the
+        local cadence, between durable saves) or ``None``. A step due for both is durable.
+
+        Collective when a ``*_every_seconds`` is set in a distributed run (rank 0's clock
+        decides for everyone); otherwise local.
+        """
+        kind = self.policy.due(step, self._marks)
+        if step == self._marks.last_step or not (self._distributed and self.policy.timed):
+            return kind
+        if self.policy.every_steps is not None and step % self.policy.every_steps == 0:
+            return kind  # the same answer on every rank: no collective needed
+        box: list[Any] = [kind]
+        dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
+        return box[0] if box[0] in ("durable", "local-only") else None
+
+    # ---- save ----------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
+             local_only: bool | None = None) -> bool:
+        """Save ``state_dict`` as checkpoint ``step`` if the policy says so (or ``force``).
+
+        Sync: returns once the checkpoint is committed. Async: waits for the previous save,
+        stages ``state_dict`` and returns while it uploads.
+
+        ``local_only=True`` writes the save to each rank's local tier only (needs
+        ``local_tier=``): nothing goes to the store. It is *local-complete* once every rank
+        wrote its copy; it is never durable (the catalog, ``latest`` and retention of the
+        store do not see it), and :meth:`load_latest` uses it only when the whole group
+        holds it and it is newer than the newest durable checkpoint. A rank that cannot
+        write its copy (tier full, unwritable) logs a WARNING and the save is never used.
+        ``local_only=None`` (the default) lets the policy pick the kind (:meth:`due`: the
+        local cadence's steps are local-only, the others durable; ``force`` is durable);
+        ``True`` or ``False`` picks it whenever a save happens.
+
+        Returns:
+            True if a save was started.
+
+        Raises:
+            DCPVolumesError: this save failed (sync), or the previous background save did
+                (the typed error behind DCP's ``CheckpointException``, which it chains)
+                (async; this save is then not started).
+        """
+        self._check_open()
+        kind = self._kind(step, force, local_only)
+        if kind is None:
+            # A failed background save is raised at the next save that happens, not here:
+            # every rank reaches that point at the same step, so all raise together.
+            return False
+        local = kind == "local-only"
+        self._finish_pending()
+        url = self.url_for(step)
+        writer = self._writer(url, local)
+        self._marks.saved(step, self.policy.clock(), durable=not local)
+        if not self.async_save:
+            with typed_errors():
+                dcp.save(state_dict, checkpoint_id=url, storage_writer=writer,
+                         process_group=self._ctl_group)
+            self._settle_save(writer, step, url, self._ctl_group)
+            replicate(self.local_tier, url, group=self._ctl_group)
+            return True
+        response = dcp.async_save(
+            state_dict,
+            checkpoint_id=url,
+            storage_writer=writer,
+            process_group=self._save_group,
+            **_compat.async_executor("thread"),
+        )
+        self._pending = watch(step, url, _compat.upload_future(response),
+                              lambda: self._settle_save(writer, step, url, self._save_group))
+        return True
+
+    def _kind(self, step: int, force: bool, local_only: bool | None) -> SaveKind | None:
+        """Which save :meth:`save` makes at ``step`` (None: none is due)."""
+        if local_only is not None and not isinstance(local_only, bool):
+            raise errors.ConfigError(
+                f"local_only= must be True, False or None, got {local_only!r}")
+        if local_only and self.local_tier is None:
+            raise errors.ConfigError(
+                "save(..., local_only=True) writes to the local tier only, and this "
+                "Checkpointer has none: pass Checkpointer(..., local_tier=LocalTierOptions("
+                "directory=...)), or save without local_only=True")
+        if not force:
+            kind = self.due(step)
+            if kind is None:
+                return None
+            if local_only is None:
+                local_only = kind == "local-only" and not (self.drain and self._upload_idle())
+        return "local-only" if local_only else "durable"
+
+    def _writer(self, url: str, local_only: bool) -> VolumeWriter:
+        """The writer of this kind of save (one per kind, kept across saves)."""
+        if local_only not in self._writers:
+            self._writers[local_only] = VolumeWriter(
+                url, storage_options=self.storage_options, overwrite=self.overwrite,
+                spool=self.spool, transfer=self.transfer, retry=self.retry,
+                local_tier=self.local_tier, local_only=local_only,
+            )
+        return self._writers[local_only]
+
+    def _settle_save(self, writer: VolumeWriter, step: int, url: str,
+                     group: dist.ProcessGroup | None) -> None:
+        """After DCP finished a save: complete a local-only one on every rank, or record the
+        durable commit and apply retention."""
+        if writer.local_only:
+            self._complete_local_only(writer, step, url, group)
+            return
+        if writer.last_commit is not None:  # the coordinator: the next local-only save's base
+            self._base, self._base_known = writer.last_commit, True
+        self._after_commit(step, url)
+
+    def _complete_local_only(self, writer: VolumeWriter, step: int, url: str,
+                             group: dist.ProcessGroup | None) -> None:
+        """Every rank stores the coordinator's ``.metadata`` and manifest in its tier, then
+        its descriptor (a collective on ``group``: the bytes come from its rank 0). The save
+        records the durable checkpoint it continues (see ``docs/guarantees.md``)."""
+        commit = writer.take_local_commit()
+        if commit is not None:  # the coordinator
+            commit = dataclasses.replace(commit, base=self._lineage_base())
+        if self._distributed:
+            box: list[Any] = [commit]
+            dist.broadcast_object_list(box, group_src=0, group=group)
+            commit = box[0] if isinstance(box[0], LocalCommit) else None
+        if writer.complete_local_only(commit):
+            logger.info("local-only save of step %d written to the local tier (%s)", step,
+                        redact_url(url))
+        else:
+            logger.warning("rank %d: the local-only save of step %d could not be completed "
+                           "in the local tier: it will not be used", self._rank, step)
+
+    def _lineage_base(self) -> DurableBase | None:
+        """The durable checkpoint a local-only save continues: the last one this
+        Checkpointer committed or loaded, else the newest in the store (looked up once)."""
+        if not self._base_known:
+            info = catalog.latest(self.root, storage_options=self.storage_options,
+                                  step_pattern=self.step_pattern, broadcast=False)
+            self._base = self._identity(info.url) if info is not None else None
+            self._base_known = True
+        return self._base
+
+    def _after_commit(self, step: int, url: str) -> None:
+        logger.info("checkpoint of step %d committed at %s", step, redact_url(url))
+        if self._rank == 0 and (self.keep_last is not None or self.keep_every is not None):
+            retain(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every,
+                   storage_options=self.storage_options, step_pattern=self.step_pattern)
+
+    def _finish_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.result()
+        # partner replicas of a background save: on the caller's thread (a collective on the
+        # control group, which every rank reaches here after the same save)
+        replicate(self.local_tier, pending.url, group=self._ctl_group)
+
+    def _upload_idle(self) -> bool:
+        """No background save in flight (``drain``). Rank 0 decides for everyone: its save
+        settles only after the commit, which follows every rank's upload."""
+        with self._lock:
+            pending = self._pending
+        idle = pending is None or pending.done.done()
+        if self._distributed:
+            box: list[Any] = [idle]
+            dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
+            idle = bool(box[0])
+        return idle
+
+    def wait(self) -> None:
+        """Wait for the background save in flight (if any); raise if it failed."""
+        self._finish_pending()
+
+    # ---- resume --------------------------------------------------------------------------
+    def load_latest(self, state_dict: dict[str, Any]) -> int | None:
+        """Load the newest complete checkpoint into ``state_dict`` (in place).
+
+        Lists the root once, on rank 0, and broadcasts the answer. Returns its step, or
+        ``None`` when there is no complete checkpoint (``state_dict`` is left as it is).
+        """
+        self._check_open()
+        self._finish_pending()
+        info = catalog.latest(
+            self.root,
+            storage_options=self.storage_options,
+            step_pattern=self.step_pattern,
+            process_group=self._ctl_group,
+        )
+        local = self._newest_local_only(info)
+        commit: LocalCommit | None = None
+        step: int | None
+        self._base_known = True
+        if local is not None:
+            step, commit, self._base = local
+            url = self.url_for(step)
+        elif info is not None:
+            step, url = info.step, info.url
+            if self.local_tier is not None and self._rank == 0:
+                self._base = self._identity(url)
+        else:
+            self._base = None
+            return None
+        reader = VolumeReader(url, storage_options=self.storage_options,
+                              transfer=self.transfer, retry=self.retry,
+                              safe_globals=self.safe_globals, local_tier=self.local_tier,
+                              local_commit=commit)
+        with typed_errors(lambda: reader.last_error):
+            dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
+        self.last_load_stats = reader.last_stats
+        self._marks.reset(self.policy.clock(), step)
+        logger.info("resumed from %s (step %s%s)", redact_url(url), step,
+                    ", local-only save" if commit is not None else "")
+        return step
+
+    def _identity(self, url: str) -> DurableBase | None:
+        try:
+            return durable_identity(url, self.storage_options, self.retry)
+        except errors.DCPVolumesError as exc:  # the load itself says what is wrong
+            logger.debug("no lineage for %s: %s", redact_url(url), exc)
+            return None
+
+    def _step_of(self, url: str) -> int | None:
+        """The step of a checkpoint URL of this run (None: not one of this run's steps)."""
+        name = name_under(self.root, url)
+        step = catalog.step_of(name, self.step_pattern) if name is not None else None
+        if step is None or normal_url(self.url_for(step)) != normal_url(url):
+            return None
+        return step
+
+    def _newest_local_only(self, info: catalog.CheckpointInfo | None
+                           ) -> tuple[int, LocalCommit, DurableBase | None] | None:
+        """The newest local-only save of this run that the whole group holds, newer than
+        the newest durable checkpoint ``info`` and continuing it (the same answer on every
+        rank; see :func:`~dcp_volumes.checkpointer._resume.newest_local_only`)."""
+        if self.local_tier is None:
+            return None
+        durable = (None if info is None else lambda: durable_identity(
+            info.url, self.storage_options, self.retry))
+        return newest_local_only(self.local_tier, step_of=self._step_of,
+                                 durable_step=info.step if info is not None else None,
+                                 durable=durable, group=self._ctl_group,
+                                 distributed=self._distributed)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.DCPVolumesError("this Checkpointer is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising if it failed) and free the staging buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_pending()
+        finally:
+            for writer in self._writers.values():
+                writer.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BaseException as close_exc:  # noqa: BLE001 -- don't mask the body's error
+            logger.error(
+                "while unwinding: the last checkpoint save failed too (%s)",
+                type(close_exc).__name__,
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer({redact_url(self.root)!r}, every_steps={self.every_steps}, "
+            f"every_seconds={self.every_seconds}, "
+            f"local_every_steps={self.local_every_steps}, "
+            f"local_every_seconds={self.local_every_seconds}, keep_last={self.keep_last}, "
+            f"keep_every={self.keep_every}, async_save={self.async_save})"
+        )

@@ -1,0 +1,99 @@
+"""The local tier: a node-local replica of each save, read first when loading.
+
+Modules, each with one job:
+
+- ``_layout``: directory layout, keys, the :class:`Descriptor` (its own parse and
+  serialize, every field checked), one walk over saves; torch-free.
+- ``_write``: a rank's files of one save going in (:class:`TierSave`).
+- ``_retention``: ``keep_last`` / ``max_bytes`` over the whole tier directory.
+- ``_read``: finding the committed save's files and reading them, CRC-checked.
+- ``_local_only``: local-only saves, their commit files and lineage, finding them.
+- ``_replicas``: own copies sent to a partner, partner copies arriving.
+- ``_partners``: the partner map and the post-save exchange over gloo.
+
+The store's ``.metadata`` is the one truth of what is durable; everything in a tier is
+untrusted and checked against a manifest before it is used.
+
+The names are resolved lazily (module ``__getattr__``), so the layout and descriptors are
+used without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcp_volumes.tier._layout import (
+        STALE_S,
+        Descriptor,
+        DurableBase,
+        LocalOnlyRef,
+        SaveDir,
+        name_under,
+        normal_url,
+        url_key,
+        walk_saves,
+    )
+    from dcp_volumes.tier._local_only import (
+        LocalCommit,
+        LocalOnlyCopy,
+        continues,
+        find_local_only,
+        parse_commit,
+    )
+    from dcp_volumes.tier._partners import CHUNK_BYTES, partner_map, replicate
+    from dcp_volumes.tier._read import LocalFile, LocalRead, find_local, read_local, read_span
+    from dcp_volumes.tier._replicas import OwnCopy, TierReplica, open_own, own_copy
+    from dcp_volumes.tier._retention import apply_retention
+    from dcp_volumes.tier._write import TierSave
+
+__all__ = ["CHUNK_BYTES", "STALE_S", "Descriptor", "DurableBase", "LocalCommit", "LocalFile",
+           "LocalOnlyCopy", "LocalOnlyRef", "LocalRead", "OwnCopy", "SaveDir", "TierReplica",
+           "TierSave", "apply_retention", "continues", "find_local", "find_local_only",
+           "name_under", "normal_url", "open_own", "own_copy", "parse_commit", "partner_map",
+           "read_local", "read_span", "replicate", "url_key", "walk_saves"]
+
+_LAZY: dict[str, str] = {
+    "STALE_S": "dcp_volumes.tier._layout",
+    "Descriptor": "dcp_volumes.tier._layout",
+    "DurableBase": "dcp_volumes.tier._layout",
+    "LocalOnlyRef": "dcp_volumes.tier._layout",
+    "SaveDir": "dcp_volumes.tier._layout",
+    "name_under": "dcp_volumes.tier._layout",
+    "normal_url": "dcp_volumes.tier._layout",
+    "url_key": "dcp_volumes.tier._layout",
+    "walk_saves": "dcp_volumes.tier._layout",
+    "LocalCommit": "dcp_volumes.tier._local_only",
+    "LocalOnlyCopy": "dcp_volumes.tier._local_only",
+    "continues": "dcp_volumes.tier._local_only",
+    "find_local_only": "dcp_volumes.tier._local_only",
+    "parse_commit": "dcp_volumes.tier._local_only",
+    "CHUNK_BYTES": "dcp_volumes.tier._partners",
+    "partner_map": "dcp_volumes.tier._partners",
+    "replicate": "dcp_volumes.tier._partners",
+    "LocalFile": "dcp_volumes.tier._read",
+    "LocalRead": "dcp_volumes.tier._read",
+    "find_local": "dcp_volumes.tier._read",
+    "read_local": "dcp_volumes.tier._read",
+    "read_span": "dcp_volumes.tier._read",
+    "OwnCopy": "dcp_volumes.tier._replicas",
+    "TierReplica": "dcp_volumes.tier._replicas",
+    "open_own": "dcp_volumes.tier._replicas",
+    "own_copy": "dcp_volumes.tier._replicas",
+    "apply_retention": "dcp_volumes.tier._retention",
+    "TierSave": "dcp_volumes.tier._write",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

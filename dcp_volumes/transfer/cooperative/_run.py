@@ -1,0 +1,430 @@
+"""One rank's side of a cooperative load (``read_data``): rounds of fetch (or local read)
+and check, a status every rank agrees on, the exchange, and the copy into the planner's
+targets (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from dcp_volumes import _dist, errors, tier
+from dcp_volumes.backends import Backend, CallStats
+from dcp_volumes.transfer.cooperative._plan import Assignment, Bundle, Piece
+from dcp_volumes.transfer.download import RangeRequest
+from dcp_volumes.transfer.readplan import (
+    DirectTarget,
+    Need,
+    apply_need,
+    check_need,
+    describe,
+    direct_target,
+    plan_ranges,
+)
+from dcp_volumes.transfer.serve import check_store, serve_local, serve_store
+
+__all__ = ["CooperativeRead", "ExchangeFigures"]
+
+logger = logging.getLogger(__name__)
+
+#: what the surviving ranks' error says about the wait that is not ours to bound
+AFTER_TIMEOUT = (
+    "; dcp.load's own collective after read_data then waits for the lost rank too, up to "
+    "the process group's timeout (30 minutes by default, 10 with NCCL; lower it with "
+    "dist.init_process_group(timeout=...)), before it raises this error"
+)
+
+
+class _Mismatch(Exception):
+    """This rank's needs are not what the coordinator planned for (a planner changed the plan
+    in ``finish_plan``): every rank falls back to direct reads."""
+
+
+@dataclass
+class ExchangeFigures:
+    """What one rank moved in a cooperative load."""
+
+    bytes_fetched: int = 0
+    bytes_from_peers: int = 0
+    bytes_to_peers: int = 0
+    bytes_from_local: int = 0  # read from this rank's local tier (for itself or peers)
+    local_fallbacks: int = 0  # pieces whose local copy failed and came from the store
+    ranges: int = 0
+    rounds: int = 0
+    wait_s: float = 0.0  # waiting on other ranks (status) and on the exchange
+    calls: CallStats = field(default_factory=CallStats)
+
+
+def _piece_start(part: tuple[Piece, Bundle]) -> int:
+    return part[0].start
+
+
+def _need_start(need: Need) -> tuple[str, int]:
+    return need.relative, need.start
+
+
+@dataclass
+class _Round:
+    """One round's bytes on one rank."""
+
+    data: dict[int, memoryview] = field(default_factory=dict)  # fetched bundles (owned)
+    received: dict[int, memoryview] = field(default_factory=dict)  # bundles in own buffers
+    recv_into: dict[int, torch.Tensor] = field(default_factory=dict)  # where each arrives
+    direct: set[int] = field(default_factory=set)  # bundles received into their target
+    targets: dict[tuple[str, int], DirectTarget] = field(default_factory=dict)
+    need_bufs: dict[tuple[str, int], bytearray] = field(default_factory=dict)
+
+
+class CooperativeRead:
+    """One rank's side of a cooperative load (see the module docstring).
+
+    Args:
+        assignment: this rank's part, from :func:`assign` via the plan's ``storage_data``.
+        url: the checkpoint's URL, for messages (redacted).
+        planner: DCP's load planner (targets, ``load_bytes``, ``commit_tensor``).
+        trusted: ``safe_globals`` for object items.
+        max_concurrency, part_size, max_range_size: as in ``TransferOptions``.
+        timeout_s: the longest this rank waits for the other ranks at one step (a status
+            report, or one round's exchange) before it raises ``DownloadError``.
+        local_files: the shard files this rank holds in its local tier (its bundles marked
+            ``local`` are read from there).
+        store: whether the store holds the save (False for a local-only save: a local copy
+            that fails its check then fails the load instead of being fetched).
+    """
+
+    def __init__(self, assignment: Assignment, *, url: str, planner: LoadPlanner,
+                 trusted: tuple[Any, ...], max_concurrency: int, part_size: int,
+                 max_range_size: int, timeout_s: float,
+                 local_files: dict[str, tier.LocalFile] | None = None,
+                 store: bool = True) -> None:
+        self.a = assignment
+        self.url = url
+        self.planner = planner
+        self.trusted = trusted
+        self.max_concurrency = max_concurrency
+        self.part_size = part_size
+        self.max_range_size = max_range_size
+        self.timeout_s = timeout_s
+        self.local_files = local_files or {}
+        self.store = store
+        self.me = assignment.rank
+        self.fig = ExchangeFigures(rounds=assignment.rounds)
+        self.group: Any = None
+        self._stop = threading.Event()
+        # filled by run's set-up and _prepare
+        self.backend: Any = None
+        self.needs: list[Need] = []
+        self.need_of: dict[tuple[str, int], Need] = {}
+        self.parts: dict[tuple[str, int], list[tuple[Piece, Bundle]]] = {}
+        self.owned: dict[int, list[Bundle]] = defaultdict(list)
+        self.theirs: dict[int, list[Bundle]] = defaultdict(list)
+        self.round_needs: dict[int, list[Need]] = defaultdict(list)
+        self.ranges: dict[int, list[RangeRequest]] = {}
+        self.local_owned: dict[int, list[Bundle]] = defaultdict(list)
+
+    # ---- the whole load ---------------------------------------------------------------
+    # ---- the whole load ---------------------------------------------------------------
+    def run(self, backend: Backend | None, needs: list[Need], *,
+            failed: BaseException | None = None) -> ExchangeFigures | None:
+        """Load this rank's items; None when the ranks agreed to read directly instead.
+
+        ``backend`` and ``needs``: the store and this rank's needs of it. ``failed``: why
+        this rank could not even get them (no credentials, a damaged plan, a local-only
+        save it cannot serve): it is reported at the first status step, so every rank
+        fails at once instead of waiting for this one. Every rank calls ``run``.
+
+        Raises:
+            DCPVolumesError: on every rank, when any rank failed to fetch, check or apply
+                its bytes (the same class as the failing rank's error), or a peer did not
+                answer within ``timeout_s`` (``DownloadError``).
+        """
+        self.group = _dist.cpu_group(self.a.new_gloo_group)
+        err = failed
+        code = _dist.OK
+        if err is None:
+            try:
+                self.backend, self.needs = backend, needs
+                self._prepare()
+            except _Mismatch as exc:
+                logger.warning("rank %d: %s; every rank reads directly", self.me, exc)
+                code = _dist.FALLBACK
+            except Exception as exc:  # noqa: BLE001 — reported to every rank by _agree
+                err = exc
+        if self._agree(err, code, "planning") == _dist.FALLBACK:
+            return None
+        self._agree(self._run_rounds(), _dist.OK, "the last round")
+        return self.fig
+
+    def _run_rounds(self) -> BaseException | None:
+        """Every round: its status, exchange and copy; returns a failure to report at the
+        last status (one that happened after the last round's status)."""
+        # Round k+1 is fetched (in a thread) while round k is exchanged and applied: the
+        # store and the peers' links work at the same time. Its status is still reported
+        # before any of its bytes is sent.
+        pending: BaseException | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="dcpv-coop-fetch") as pool:
+            try:
+                nxt = self._start(pool, 0) if self.a.rounds else None
+                for rnd in range(self.a.rounds):
+                    assert nxt is not None
+                    state, fetching = nxt
+                    nxt = None
+                    try:
+                        fetching.result()
+                    except Exception as exc:  # noqa: BLE001 — reported by _agree
+                        pending = pending or exc
+                    self._agree(pending, _dist.OK, f"round {rnd + 1}/{self.a.rounds}")
+                    if rnd + 1 < self.a.rounds:
+                        nxt = self._start(pool, rnd + 1)
+                    self._exchange(rnd, state)
+                    try:
+                        self._apply(rnd, state)
+                    except Exception as exc:  # noqa: BLE001 — reported at the next status
+                        pending = exc
+                        self._stop.set()
+            except BaseException:
+                self._stop.set()  # the fetch in flight stops at its next range
+                raise
+        return pending
+
+    def _start(self, pool: ThreadPoolExecutor, rnd: int) -> tuple[_Round, Future[None]]:
+        """Choose round ``rnd``'s destinations (here: the planner is not thread-safe) and
+        start fetching its bundles."""
+        state = _Round()
+        try:
+            self._destinations(rnd, state)
+        except Exception as exc:  # noqa: BLE001 — reported by _agree via the future
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return state, failed
+        return state, pool.submit(self._fetch, rnd, state)
+
+    # ---- phases -------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        a = self.a
+        mine = tuple(sorted((nd.relative, nd.start, nd.end) for nd in self.needs))
+        if mine != a.needs:
+            raise _Mismatch("the load plan changed after the coordinator planned the "
+                            "cooperative load (a planner's finish_plan?)")
+        self.need_of = {(nd.relative, nd.item_offset): nd for nd in self.needs}
+        for b in a.bundles:
+            if b.owner != self.me:
+                self.theirs[b.round].append(b)
+            elif b.local:
+                if b.relative not in self.local_files:
+                    raise _Mismatch(f"bundle {b.bid} is planned from a local copy of "
+                                    f"{b.relative} this rank does not hold")
+                self.local_owned[b.round].append(b)
+            else:
+                if not self.store:
+                    raise errors.IntegrityError(
+                        f"no rank holds a usable local copy of shard {b.relative} of the "
+                        f"local-only save of {self.url}, and the store has none: it cannot "
+                        "be loaded; load the newest durable checkpoint instead")
+                self.owned[b.round].append(b)
+            for p in b.pieces:
+                key = (b.relative, p.item_offset)
+                if key not in self.need_of:
+                    if b.owner == self.me:
+                        continue  # served to the others from this rank's local tier
+                    raise _Mismatch(f"bundle {b.bid} serves an item this rank does not need")
+                self.parts.setdefault(key, []).append((p, b))
+        rounds_of: dict[tuple[str, int], set[int]] = {}
+        for key, parts in self.parts.items():
+            need = self.need_of[key]
+            parts.sort(key=_piece_start)
+            pos = need.start
+            for p, _ in parts:
+                if p.start != pos:
+                    break
+                pos = p.end
+            if pos != need.end or parts[-1][0].end != need.end:
+                raise _Mismatch(f"the pieces planned for {describe(need.reads[0])} do not "
+                                "cover what this rank needs")
+            rounds_of[key] = {b.round for _, b in parts}
+        if set(self.parts) != set(self.need_of) or any(len(r) != 1 for r in rounds_of.values()):
+            raise _Mismatch("the cooperative plan does not cover this rank's items")
+        for key, need in self.need_of.items():
+            self.round_needs[next(iter(rounds_of[key]))].append(need)
+        for rnd, owned in self.owned.items():
+            # gap 0: the bytes between two of this rank's bundles belong to other owners
+            # (neighbours with the same consumers were bundled, gaps included)
+            # (and one GET each: a range longer than a part would be assembled, one more copy)
+            self.ranges[rnd] = plan_ranges(owned, gap=0,
+                                           max_size=min(self.part_size, self.max_range_size))
+        everything = [r for rs in self.ranges.values() for r in rs]
+        if everything:
+            check_store(self.backend, everything, self.url)
+
+    def _destinations(self, rnd: int, st: _Round) -> None:
+        """Where each byte this rank receives in round ``rnd`` goes: a tensor's raw bytes
+        straight into its target where they map onto it one to one (no copy after), else a
+        buffer per larger span or per bundle."""
+        for need in self.round_needs.get(rnd, []):
+            key = (need.relative, need.item_offset)
+            target = direct_target(need, self.planner)
+            if target is not None:
+                st.targets[key] = target
+            elif len(self.parts[key]) > 1:
+                st.need_bufs[key] = bytearray(need.end - need.start)
+        for b in self.theirs.get(rnd, []):
+            key = (b.relative, b.pieces[0].item_offset)
+            t = st.targets.get(key)
+            if len(b.pieces) == 1 and t is not None and t.start <= b.start and b.end <= t.end:
+                st.recv_into[b.bid] = t.view[b.start - t.start:b.end - t.start]
+                st.direct.add(b.bid)
+            elif len(b.pieces) == 1 and key in st.need_bufs:
+                need = self.need_of[key]
+                st.recv_into[b.bid] = _dist.uint8_tensor(st.need_bufs[key])[b.start - need.start:
+                                                                  b.end - need.start]
+            else:
+                buf = bytearray(b.size)
+                st.received[b.bid] = memoryview(buf)
+                st.recv_into[b.bid] = _dist.uint8_tensor(buf)
+
+    def _check_bundle(self, b: Bundle, bview: memoryview) -> None:
+        for p in b.pieces:
+            need = self.need_of.get((b.relative, p.item_offset))
+            if need is not None:
+                span = Need(b.relative, p.start, p.end, need.item_offset, need.item_length,
+                            need.reads, need.entry, p.first_block)
+            else:  # an item this rank serves without needing it
+                span = Need(b.relative, p.start, p.end, p.item_offset, p.item_length, [],
+                            p.entry, p.first_block)
+            check_need(span, bview[p.start - b.start:p.end - b.start], self.url)
+
+    def _local_failed(self, b: Bundle, exc: BaseException) -> None:
+        """A local bundle that cannot be used: fetched from the store instead (or, where the
+        store has no copy, the load fails)."""
+        if not self.store:
+            raise errors.IntegrityError(
+                f"rank {self.me}: the local copy of shard {b.relative} of the "
+                f"local-only save of {self.url} cannot be used ({exc}), and the store "
+                "has no copy: load the newest durable checkpoint instead") from exc
+        logger.warning("rank %d: local copy of shard %s of %s is not used (%s); "
+                       "fetching bytes %d..%d from the store", self.me, b.relative,
+                       self.url, exc, b.start, b.end)
+        self.fig.local_fallbacks += len(b.pieces)
+
+    def _read_local(self, rnd: int, st: _Round) -> list[Bundle]:
+        """Read and check this rank's local bundles of round ``rnd``; those whose local copy
+        cannot be used are returned (for the store)."""
+
+        def keep(b: Bundle, bview: memoryview) -> None:
+            self.fig.bytes_from_local += len(bview)
+            st.data[b.bid] = bview
+
+        served = serve_local(
+            [RangeRequest(b.relative, b.start, b.end, [b]) for b in self.local_owned.get(rnd, [])],
+            lambda rng: tier.read_span(self.local_files[rng.relative], rng.start, rng.end),
+            check=self._check_bundle, apply=keep,
+            unreadable=lambda rng, exc: self._local_failed(rng.items[0], exc),
+            bad=self._local_failed, stop=self._stop)
+        return served.failed
+
+    def _fetch(self, rnd: int, st: _Round) -> None:
+        """Read (local tier) or fetch (store) and check this rank's bundles of round
+        ``rnd``."""
+        ranges = self.ranges.get(rnd, [])
+        failed = self._read_local(rnd, st)
+        if failed:
+            extra = plan_ranges(failed, gap=0,
+                                max_size=min(self.part_size, self.max_range_size))
+            check_store(self.backend, extra, self.url)
+            ranges = ranges + extra
+        self.fig.ranges += len(ranges)
+
+        def keep(b: Bundle, bview: memoryview) -> None:
+            st.data[b.bid] = bview
+
+        self.fig.bytes_fetched += serve_store(
+            self.backend, ranges, url=self.url, check=self._check_bundle, apply=keep,
+            max_concurrency=self.max_concurrency, chunk_size=self.part_size,
+            stats=self.fig.calls, stop=self._stop)
+
+    def _exchange(self, rnd: int, st: _Round) -> None:
+        """Send this rank's bundles to their consumers; receive the bundles it needs from
+        their owners into the places :meth:`_destinations` chose."""
+        works: list[Any] = []
+        whats: list[str] = []
+        start = time.monotonic()
+
+        def fail(i: int, exc: RuntimeError) -> errors.DownloadError:
+            what = whats[i] if i < len(whats) else "?"
+            return errors.DownloadError(
+                f"rank {self.me}: exchanging {what} of {self.url} failed or took longer than "
+                f"{self.timeout_s:.0f}s: a rank died or is stuck{AFTER_TIMEOUT} ({exc})")
+
+        try:
+            for b in self.theirs.get(rnd, []):
+                if b.size == 0:
+                    continue
+                whats.append(f"bytes {b.start}..{b.end} of shard {b.relative} from rank "
+                             f"{b.owner}")
+                works.append(dist.irecv(st.recv_into[b.bid], src=b.owner, group=self.group,
+                                        tag=b.bid))
+                self.fig.bytes_from_peers += b.size
+            for b in [*self.owned.get(rnd, []), *self.local_owned.get(rnd, [])]:
+                if not b.consumers or b.size == 0:
+                    continue
+                t = _dist.uint8_tensor(st.data[b.bid])
+                for c in b.consumers:
+                    whats.append(f"bytes {b.start}..{b.end} of shard {b.relative} to rank {c}")
+                    works.append(dist.isend(t, dst=c, group=self.group, tag=b.bid))
+                    self.fig.bytes_to_peers += b.size
+        except RuntimeError as exc:  # the one named last could not even start
+            raise fail(len(whats) - 1, exc) from exc
+        _dist.wait_all(works, start + self.timeout_s - time.monotonic(), fail)
+        self.fig.wait_s += time.monotonic() - start
+
+    def _apply(self, rnd: int, st: _Round) -> None:
+        """Copy this round's items into the planner's targets."""
+        for need in sorted(self.round_needs.get(rnd, []), key=_need_start):
+            key = (need.relative, need.item_offset)
+            parts = self.parts[key]
+            target = st.targets.get(key)
+            if target is not None:
+                for p, b in parts:
+                    if b.bid in st.direct:
+                        continue  # received in place
+                    src = (st.data[b.bid] if b.owner == self.me else st.received[b.bid])
+                    lo, hi = max(p.start, target.start), min(p.end, target.end)
+                    if lo < hi:
+                        target.view[lo - target.start:hi - target.start].copy_(
+                            _dist.uint8_tensor(src[lo - b.start:hi - b.start]))
+                self.planner.commit_tensor(target.read, target.target)
+                continue
+            if key in st.need_bufs:
+                buf = st.need_bufs[key]
+                for p, b in parts:
+                    if b.owner == self.me:
+                        buf[p.start - need.start:p.end - need.start] = \
+                            st.data[b.bid][p.start - b.start:p.end - b.start]
+                chunk = memoryview(buf)
+            else:
+                p, b = parts[0]
+                view = st.data[b.bid] if b.owner == self.me else st.received[b.bid]
+                chunk = view[p.start - b.start:p.end - b.start]
+            apply_need(need, chunk, self.planner, self.trusted)
+
+    # ---- status -------------------------------------------------------------------------
+
+    # ---- status -------------------------------------------------------------------------
+    def _agree(self, err: BaseException | None, code: int, step: str) -> int:
+        """Every rank reports its status; if any failed, every rank raises (see
+        :func:`dcp_volumes._dist.agree`). Returns ``OK``, or ``FALLBACK`` when some rank
+        asked for direct reads and none failed."""
+        start = time.monotonic()
+        out = _dist.agree(err, group=self.group, world=self.a.world, me=self.me,
+                          timeout_s=self.timeout_s, task=f"loading {self.url} cooperatively",
+                          step=step, code=code, note=AFTER_TIMEOUT)
+        self.fig.wait_s += time.monotonic() - start
+        return out
