@@ -91,7 +91,9 @@ class _Lease:
     __slots__ = ("__weakref__", "buffer_set", "done", "keep", "owner")
 
     def __init__(self, buffer_set: _BufferSet, owner: int, keep: bool) -> None:
-        self.buffer_set = buffer_set
+        # None once the lease has ended: the token's finalizer keeps the lease alive for as
+        # long as anyone holds a staged tensor, and must not keep the set with it
+        self.buffer_set: _BufferSet | None = buffer_set
         self.owner = owner
         self.keep = keep  # may go back to the pool when the save has finished reading
         self.done = False
@@ -200,10 +202,10 @@ class _Pool:
             self._end_locked(self._ended.popleft())
 
     def _end_locked(self, lease: _Lease) -> None:
-        if lease.done:
-            return
-        lease.done = True
         bs = lease.buffer_set
+        if lease.done or bs is None:
+            return
+        lease.done, lease.buffer_set = True, None
         for p in bs.ptrs:
             if self._out.get(p) is lease:
                 del self._out[p]
@@ -221,7 +223,7 @@ class _Pool:
             for lease in list(self._leases):
                 if owner is None or lease.owner == owner:
                     lease.keep = False
-                    if not lease.done:
+                    if lease.buffer_set is not None:  # not ended yet
                         for p in lease.buffer_set.ptrs:
                             if self._out.get(p) is lease:
                                 del self._out[p]
@@ -281,5 +283,8 @@ class StagingBuffers:
         _POOL.drop(self._owner)
 
     def close(self) -> None:
-        """Free the buffer sets this writer staged last (idle, or once their save ends)."""
+        """Free the buffer sets this writer staged last (idle, or once their save ends).
+
+        The pool lets go of an idle set at once, even while someone (the thread of a
+        finished ``async_save``) still holds the staged copy: the memory goes with it."""
         _POOL.drop(self._owner)

@@ -24,6 +24,7 @@ from dcp_volumes._compat import HAS_PROCESS_ASYNC_SAVE, TORCH_VERSION
 from dcp_volumes.testing._suite_support import (
     SMALL_PARTS,
     MiB,
+    RankBudget,
     SlowPlanner,
     Store,
     SuiteBase,
@@ -58,10 +59,13 @@ class DurabilityTests(SuiteBase):
         self._need(store, "multi_process", "the store is private to one process")
         url = store.url()
         kw = {"storage_options": store.storage_options, "transfer": SMALL_PARTS}
-        stats = run_ranks(save_ws, save_on_ranks, url, kw)
+        budget = RankBudget(self.multi_rank_budget_s)
+        stats = run_ranks(save_ws, save_on_ranks, url, kw,
+                          **budget.next(f"save on {save_ws} ranks"))
         assert sum(s["bytes"] > 0 for s in stats) >= 2  # replicated writes are spread
         for ws in load_ws:
-            loaded = run_ranks(ws, load_on_ranks, url, {"storage_options": store.storage_options})
+            loaded = run_ranks(ws, load_on_ranks, url, {"storage_options": store.storage_options},
+                               **budget.next(f"load on {ws} ranks (saved on {save_ws})"))
             assert all(s["verified"] for s in loaded)
             # a rank fetches what its new shards need, rounded to 1 MiB checksum blocks
             assert all(s["bytes_fetched"] <= 1.1 * s["bytes_needed"] + 2 * MiB for s in loaded)
@@ -75,6 +79,7 @@ class DurabilityTests(SuiteBase):
                         f".PROCESS), which torch {TORCH_VERSION} lacks")
         url = store.url()
         opts = store.storage_options
+        budget = RankBudget(self.multi_rank_budget_s)
         proxy = None
         if store.proxied_options is not None:
             opts, proxy = store.proxied_options()
@@ -84,7 +89,8 @@ class DurabilityTests(SuiteBase):
             proxy.add_rule(FaultRule(action="delay", method="PUT", delay_s=0.3, times=None))
         try:
             out = run_ranks(2, async_save_on_ranks, url, {"storage_options": opts,
-                                                          "transfer": SMALL_PARTS}, checkpointer)
+                                                          "transfer": SMALL_PARTS}, checkpointer,
+                            **budget.next(f"async_save ({checkpointer}) on 2 ranks"))
         finally:
             if proxy is not None:
                 proxy.clear_rules()
@@ -92,7 +98,8 @@ class DurabilityTests(SuiteBase):
             assert o["blocked_s"] < o["total_s"]
             if proxy is not None:  # uploads were slowed: training must have made progress
                 assert o["steps_during_upload"] > 0
-        run_ranks(1, load_on_ranks, url, {"storage_options": store.storage_options})
+        run_ranks(1, load_on_ranks, url, {"storage_options": store.storage_options},
+                  **budget.next("load on 1 rank"))
 
     # ---- 4. .metadata never visible early ----------------------------------------------
     def test_metadata_invisible_until_data_durable(self, store: Store) -> None:

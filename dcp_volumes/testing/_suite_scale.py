@@ -3,8 +3,9 @@
 Eight spawned gloo processes on 127.0.0.1 with small tensors (about 8 MiB in all): more
 ranks than a small machine has cores, which is the point (the collectives, the plan, the
 commit and the failure paths at a rank count where every rank is not also a core). On a
-2-core machine one test takes a minute or two; a backend whose tests must stay short sets
-``many_ranks = 0`` (the tests then skip, saying so).
+2-core machine one test takes 20-30 s (ranks fork from a server that has imported torch;
+all the runs of a test share ``multi_rank_budget_s``); a backend whose tests must stay
+short sets ``many_ranks = 0`` (the tests then skip, saying so).
 """
 
 from __future__ import annotations
@@ -18,15 +19,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_volumes import VolumeReader, VolumeWriter, errors
-from dcp_volumes.testing._suite_support import Store, SuiteBase
+from dcp_volumes.testing._suite_support import RankBudget, Store, SuiteBase
 from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
 from dcp_volumes.testing.scenarios import build_state, load_on_ranks, save_on_ranks
 
 __all__ = ["ScaleTests"]
-
-#: seconds a rank of an 8-rank test may take (8 processes share the machine's cores)
-TIMEOUT_S = 400.0
-
 
 class _DieOnSecondItem(DefaultSavePlanner):
     """The victim rank SIGKILLs itself while resolving its second item (mid-save)."""
@@ -67,12 +64,14 @@ class ScaleTests(SuiteBase):
         ranks = self._need_ranks(store)
         url = store.url("eight")
         opts = {"storage_options": store.storage_options}
-        stats = run_ranks(ranks, save_on_ranks, url, opts, timeout=TIMEOUT_S)
+        budget = RankBudget(self.multi_rank_budget_s)  # 8 processes share the cores
+        stats = run_ranks(ranks, save_on_ranks, url, opts,
+                          **budget.next(f"save on {ranks} ranks"))
         assert len(stats) == ranks
         # the sharded 8 MiB tensor and the replicated items, each written once
         assert sum(s["bytes"] for s in stats) > 8 << 20
         assert sum(s["bytes"] > 0 for s in stats) == ranks  # every rank wrote its shard
-        out = run_ranks(3, load_on_ranks, url, opts, timeout=TIMEOUT_S)
+        out = run_ranks(3, load_on_ranks, url, opts, **budget.next("load on 3 ranks"))
         assert len(out) == 3 and all(o["verified"] for o in out)
 
     def test_a_rank_killed_mid_save_among_8_commits_nothing(self, store: Store) -> None:
@@ -80,8 +79,10 @@ class ScaleTests(SuiteBase):
         victim = ranks - 3
         url = store.url("victim")
         options = store.storage_options
-        reported = run_ranks_with_victim(ranks, victim, save_with_a_victim, url, options,
-                                         victim, timeout=TIMEOUT_S)
+        budget = RankBudget(self.multi_rank_budget_s)
+        reported = run_ranks_with_victim(
+            ranks, victim, save_with_a_victim, url, options, victim,
+            **budget.next(f"save on {ranks} ranks, rank {victim} killed"))
         assert sorted(reported) == [r for r in range(ranks) if r != victim]
         assert not any(ok for ok, _ in reported.values()), "a rank reported a completed save"
         # nothing committed: objects of the failed save may remain, .metadata does not
@@ -90,6 +91,6 @@ class ScaleTests(SuiteBase):
             VolumeReader(url, storage_options=options).read_metadata()
         # a later save to the same path commits and loads
         opts = {"storage_options": options}
-        run_ranks(ranks, save_on_ranks, url, opts, timeout=TIMEOUT_S)
-        out = run_ranks(3, load_on_ranks, url, opts, timeout=TIMEOUT_S)
+        run_ranks(ranks, save_on_ranks, url, opts, **budget.next(f"save again on {ranks} ranks"))
+        out = run_ranks(3, load_on_ranks, url, opts, **budget.next("load on 3 ranks"))
         assert len(out) == 3 and all(o["verified"] for o in out)

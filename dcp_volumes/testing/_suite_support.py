@@ -28,7 +28,7 @@ from dcp_volumes import (
 from dcp_volumes._compat import no_dist
 from dcp_volumes.backends import backend_class
 
-__all__ = ["SlowPlanner", "Store", "SuiteBase", "failures_of"]
+__all__ = ["RankBudget", "SlowPlanner", "Store", "SuiteBase", "failures_of"]
 
 MiB = 1 << 20
 SMALL_PARTS = TransferOptions(part_size=5 * MiB, max_concurrency=4)
@@ -97,6 +97,23 @@ class SlowPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
+class RankBudget:
+    """One deadline shared by the spawned runs of a test: each run gets what is left, so
+    the runs together stay within ``seconds`` and a hang is reported by the run it hit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def next(self, label: str) -> dict[str, Any]:
+        """``run_ranks`` keywords for the next run: its label and the time left."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"the multi-rank runs of this test took over {self.seconds:.0f} s "
+                        f"before {label!r} could start")
+        return {"timeout": left, "label": label}
+
+
 def save_with(state: dict[str, Any], url: str, store: Store, **kw: Any) -> VolumeWriter:
     opts = kw.pop("storage_options", store.storage_options)
     planner = kw.pop("planner", None)
@@ -136,6 +153,9 @@ class SuiteBase:
             resends it); elsewhere the damage is stored and caught by the reader's own
             CRC32C on load.
         persistent_fault_timeout_s: how long a save may take to give up on a dead store.
+        multi_rank_budget_s: how long all the spawned runs of one multi-rank test may take
+            together (below pytest's per-test timeout, so that a hung rank fails the test
+            with its own message: which run, which rank, which phase).
     """
 
     multi_process: bool | None = None
@@ -144,6 +164,7 @@ class SuiteBase:
     multipart_listing: bool | None = None
     verifies_upload_checksums: bool = False
     persistent_fault_timeout_s: float = 60.0
+    multi_rank_budget_s: float = 270.0
 
     @pytest.fixture
     def store(self) -> Store:

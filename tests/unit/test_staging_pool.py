@@ -200,6 +200,23 @@ def test_writer_close_frees_what_it_staged(tmp_path) -> None:
     assert idle() is None and _POOL.idle_sets() == 0
 
 
+def test_writer_close_frees_its_set_while_the_staged_copy_lives(tmp_path) -> None:
+    """The save has finished reading, but whoever ran it still holds the staged copy (the
+    thread of a finished ``async_save`` drops its arguments only after the future resolves):
+    ``close`` must still let go of the set, not wait for that thread."""
+    state = make_state(6.5)
+    writer = VolumeWriter(str(tmp_path / "a"))
+    staged = writer.stage(state)
+    expected = snapshot(state)
+    dcp.save(staged, storage_writer=writer, **no_dist())  # write_data: finished reading
+    idle = a_buffer()
+    writer.close()
+    gc.collect()
+    assert idle() is None and _POOL.idle_sets() == 0
+    assert torch.equal(staged["w"], expected["w"])  # the copy itself is untouched
+    assert_loads(str(tmp_path / "a"), expected)
+
+
 def test_pickled_writer_never_reuses(tmp_path) -> None:
     state = make_state(7.0)
     writer = VolumeWriter(str(tmp_path / "a"))
