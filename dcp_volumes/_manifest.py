@@ -80,7 +80,10 @@ class ItemEntry:
             raise TypeError(f"unknown dtype {self.dtype!r}")
         if self.block_size < 1 or any(x < 0 for x in self.shape) or self.data_offset is None:
             raise ValueError("bad block size or shape")
-        nbytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
+        if self.block_size % element:
+            raise ValueError("a block size that cuts through an element")
+        nbytes = math.prod(self.shape) * element
         if not 0 <= self.data_offset <= self.length - nbytes:
             raise ValueError("tensor data outside its item")
         if len(self.block_crcs) != -(-nbytes // self.block_size):

@@ -376,18 +376,21 @@ _GOOD_LAYOUT = {"data": 64, "block": 1024, "crcs": [1, 2], "shape": [512], "dtyp
 
 @pytest.mark.parametrize("change", [
     {"block": 0}, {"dtype": "os.system"}, {"shape": [-1]}, {"data": 10**6}, {"data": -1},
-    {"crcs": [1]}, {"crcs": list(range(10**5))},
+    {"crcs": [1]}, {"crcs": list(range(10**5))}, {"block": 1023, "crcs": [1, 2, 3]},
+    {"created": 10**400},
 ], ids=["zero-block", "unknown-dtype", "negative-dim", "data-past-item", "negative-data",
-        "too-few-crcs", "too-many-crcs"])
+        "too-few-crcs", "too-many-crcs", "block-cuts-an-element", "created-10e400"])
 def test_crafted_manifest_layouts_are_refused(change: dict[str, object]) -> None:
     from dcp_volumes._manifest import Manifest
 
     def doc(layout: dict[str, object]) -> bytes:
         import json
+        created = layout.pop("created", 1.0)
         return json.dumps({"format": 1, "save_id": "00000000-000000000000", "writer": "x",
-                           "world_size": 1, "files": {"__0_0-00000000-000000000000.distcp": {
+                           "world_size": 1, "created": created,
+                           "files": {"__0_0-00000000-000000000000.distcp": {
                                "size": 4096, "items": [[0, 4096, 7, layout]]}}}).encode()
 
-    Manifest.from_json(doc(_GOOD_LAYOUT), where="m")  # the unchanged layout is valid
+    Manifest.from_json(doc(dict(_GOOD_LAYOUT)), where="m")  # the unchanged layout is valid
     with pytest.raises(errors.IntegrityError, match="not valid"):
         Manifest.from_json(doc({**_GOOD_LAYOUT, **change}), where="m")
