@@ -16,14 +16,12 @@ import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _direct import direct_supported
+from _direct import direct_supported, spool_roundtrip, spool_state
 
 from dcp_volumes import (
     LocalTierOptions,
     SpoolOptions,
-    TransferOptions,
     VolumeReader,
-    VolumeWriter,
 )
 from dcp_volumes._spool import SpoolFile
 from dcp_volumes.errors import ConfigError
@@ -180,32 +178,11 @@ def test_direct_io_must_be_a_bool_or_none() -> None:
         SpoolOptions(direct_io="yes")  # type: ignore[arg-type]
 
 
-def _state() -> dict[str, Any]:
-    g = torch.Generator().manual_seed(7)
-    return {"w": torch.randn(1500, 1024, generator=g), "b": torch.randn(333, generator=g),
-            "h": torch.randn(64, 64, generator=g).to(torch.bfloat16), "step": 11}
-
-
-def _roundtrip(url: str, options: dict[str, Any], spool: SpoolOptions,
-               tier: LocalTierOptions | None = None) -> VolumeWriter:
-    state = _state()
-    writer = VolumeWriter(url, storage_options=options, spool=spool, local_tier=tier,
-                          transfer=TransferOptions(part_size=5 * MiB, max_concurrency=4))
-    dcp.save(state, storage_writer=writer, no_dist=True)
-    target = {"w": torch.zeros(1500, 1024), "b": torch.zeros(333),
-              "h": torch.zeros(64, 64, dtype=torch.bfloat16), "step": 0}
-    dcp.load(target, storage_reader=VolumeReader(url, storage_options=options), no_dist=True)
-    for key in ("w", "b", "h"):
-        assert torch.equal(target[key], state[key]), key
-    assert target["step"] == 11
-    return writer
-
-
 @pytest.mark.parametrize("direct_io", [True, False, None])
 def test_saves_load_bit_identical_from_local_files(disk_dir: Path, direct_io: bool | None
                                                    ) -> None:
     spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=direct_io)
-    _roundtrip(f"file://{disk_dir}/store/ck", {}, spool)
+    spool_roundtrip(f"file://{disk_dir}/store/ck", {}, spool)
     assert os.listdir(disk_dir / "spool") == []  # every spool file was removed
 
 
@@ -215,7 +192,7 @@ def test_a_spool_kept_by_the_local_tier_is_whole(disk_dir: Path, direct_io: bool
     """The tier keeps the spool files themselves: written directly or not, every byte."""
     spool = SpoolOptions(directory=str(disk_dir / "spool"), direct_io=direct_io)
     tier = LocalTierOptions(directory=str(disk_dir / "tier"))
-    writer = _roundtrip(f"file://{disk_dir}/store/ck", {}, spool, tier)
+    writer = spool_roundtrip(f"file://{disk_dir}/store/ck", {}, spool, tier)
     stats = writer.last_stats
     assert stats is not None and stats.bytes > 5 * MiB
     assert stats.bytes_kept_local == stats.bytes
@@ -225,4 +202,4 @@ def test_a_spool_kept_by_the_local_tier_is_whole(disk_dir: Path, direct_io: bool
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert reader.last_stats is not None
     assert reader.last_stats.bytes_from_local == reader.last_stats.bytes_needed
-    assert torch.equal(target["w"], _state()["w"])
+    assert torch.equal(target["w"], spool_state()["w"])
