@@ -236,9 +236,11 @@ def _survey_complete(
         else:
             stale.extend(strays)
     for o in stray:
-        if save_id_in(o.name) is None:  # a commit's temp file: its own age decides
+        if save_id_in(o.name) is None:  # a commit's temp file: its own age decides, and
+            # never under the live record's age: a commit lives milliseconds, and a listing
+            # may show its temp file after the rename and the live record's removal
             age = _age(o, now)
-            if age is not None and age >= report.older_than_s:
+            if age is not None and age >= max(report.older_than_s, _layout.LIVE_STALE_S):
                 stale.append(o)
     for o in stale:
         plan.loose.append(f"{info.name}/{o.name}")

@@ -10,7 +10,8 @@ read, as a byte from this node's own tier is.
 The partner map: rank ``r`` sends to ``(r + ranks_per_node) % world`` (the same local rank on
 the next node), unless ``LocalTierOptions.partners`` names another for it.
 
-The exchange is one collective on the Checkpointer's gloo control group, which every rank
+The exchange is a fixed sequence of collectives on the Checkpointer's gloo control group
+(three ``all_gather_object`` and the point-to-point steps between them), which every rank
 joins even when it has nothing to send (a failed save to its tier, a full disk):
 
 1. ``all_gather_object`` of each rank's :class:`_Offer` (its own copy's file list, host, tier

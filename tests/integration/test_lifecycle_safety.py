@@ -526,3 +526,21 @@ def test_a_listing_that_reads_nothing_stays_torch_free(local: Store) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_gc_leaves_a_fresh_commit_temp_file_alone_whatever_the_threshold(local: Store) -> None:
+    """A commit's temp file lives milliseconds, and a listing can show it after the rename
+    and the live record's removal: gc takes one only once it is older than a live record
+    may be (it once took the running commit's own at --older-than 0)."""
+    local.save("step-1")
+    base = local.path("step-1")
+    fresh, old = f"{base}/.metadata.00000001-aaaaaaaaaaaa.tmp", f"{base}/.metadata.tmp"
+    for path in (fresh, old):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+    past = time.time() - 2 * _layout.LIVE_STALE_S
+    os.utime(old, (past, past))
+    report = catalog.gc(local.root, older_than_s=0, dry_run=False)
+    assert report.leftovers == [f"{local.url('step-1')}/.metadata.tmp"]
+    assert os.path.exists(fresh) and not os.path.exists(old)
+    assert local.load("step-1") == 1.0
