@@ -186,6 +186,20 @@ def test_start_failure_reports_log_tail(tmp_path: Path) -> None:
     assert not server.running
 
 
+def test_a_server_that_hangs_at_startup_is_retried_on_new_ports(tmp_path: Path) -> None:
+    """A first process that never answers is killed and a fresh one started (it used to
+    fail the whole session's fixture on one hang)."""
+    marker = tmp_path / "hung-once"
+    script = tmp_path / "hangs-once.sh"
+    script.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; exec sleep 60; fi\n"
+                      "echo 'second try (simulated)'\nexit 4\n")
+    script.chmod(0o755)
+    server = srv.FakeGCSServer(binary=str(script), start_attempts=2, startup_timeout=2)
+    with pytest.raises(srv.ServerStartError, match=r"(?s)exited with code 4.*second try"):
+        server.start()  # the second attempt ran (and, being a script, exited)
+    assert marker.exists() and not server.running
+
+
 def test_import_sets_client_environment() -> None:
     assert os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] == "false"
     assert os.environ["AWS_DEFAULT_REGION"]
