@@ -151,14 +151,20 @@ def test_a_copy_larger_than_the_free_disk_is_refused(tmp_path: Path) -> None:
     assert not rep.ok
 
 
-def test_own_copy_is_sized_from_the_files(tmp_path: Path) -> None:
+def _kept(tmp_path: Path, data: bytes) -> tuple[LocalTierOptions, str]:
+    """Rank 0's one shard file of ``data`` kept in a tier under ``tmp_path``."""
     opts = LocalTierOptions(directory=str(tmp_path / "tier"), keep_last=None)
     rel = _layout.shard_name(0, 0, KEY)
     src = tmp_path / "spool"
-    src.write_bytes(b"x" * 10)
+    src.write_bytes(data)
     save = TierSave(opts, URL, KEY, 0)
-    save.keep(str(src), rel, 10)
+    save.keep(str(src), rel, len(data))
     save.complete()
+    return opts, rel
+
+
+def test_own_copy_is_sized_from_the_files(tmp_path: Path) -> None:
+    opts, rel = _kept(tmp_path, b"x" * 10)
     desc = tmp_path / "tier" / url_key(URL) / KEY / ".dcpv-tier-0.json"
     desc.write_text(desc.read_text().replace('": 10}', f'": {1 << 40}}}'))  # claims 1 TiB
     copy = own_copy(opts, URL, 0)
@@ -168,13 +174,7 @@ def test_own_copy_is_sized_from_the_files(tmp_path: Path) -> None:
 
 
 def test_a_failed_read_ends_the_senders_stream(tmp_path: Path) -> None:
-    opts = LocalTierOptions(directory=str(tmp_path / "tier"), keep_last=None)
-    rel = _layout.shard_name(0, 0, KEY)
-    src = tmp_path / "spool"
-    src.write_bytes(b"y" * 100)
-    save = TierSave(opts, URL, KEY, 0)
-    save.keep(str(src), rel, 100)
-    save.complete()
+    opts, rel = _kept(tmp_path, b"y" * 100)
     copy = own_copy(opts, URL, 0)
     assert copy is not None
     reader = _OwnReader(opts, 0, copy)
