@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.reader import VolumeReader
+    from dcp_volumes.safetensors_reader import SafetensorsReader
     from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
 
@@ -30,6 +31,7 @@ __all__ = [
     "LoadStats",
     "LocalTierOptions",
     "RetryOptions",
+    "SafetensorsReader",
     "SaveStats",
     "SpoolOptions",
     "TransferOptions",
@@ -45,6 +47,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "VolumeWriter": "dcp_volumes.writer",
     "VolumeReader": "dcp_volumes.reader",
+    "SafetensorsReader": "dcp_volumes.safetensors_reader",
     "Checkpointer": "dcp_volumes.checkpointer",
     "SpoolOptions": "dcp_volumes.config",
     "LocalTierOptions": "dcp_volumes.config",

@@ -41,7 +41,11 @@ FORMAT_VERSION = 1
 @dataclass(frozen=True, slots=True)
 class ItemEntry:
     """One stored item. ``data_offset`` etc. are set for large contiguous tensors: their raw
-    bytes start ``data_offset`` bytes into the item, with a CRC32C per ``block_size`` block."""
+    bytes start ``data_offset`` bytes into the item, with a CRC32C per ``block_size`` block.
+
+    ``checked`` is False only for entries the code builds itself for bytes that carry no
+    checksum (:meth:`raw`: a safetensors tensor); it is no JSON field, so a manifest read
+    from storage always has every entry checked."""
 
     length: int
     crc: int
@@ -50,8 +54,20 @@ class ItemEntry:
     block_crcs: tuple[int, ...] = ()
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    checked: bool = True
+
+    @classmethod
+    def raw(cls, length: int, dtype: str, shape: tuple[int, ...], element_size: int
+            ) -> ItemEntry:
+        """An item that is a tensor's raw bytes (C order) and nothing else, with no checksum:
+        any element range of it can be fetched alone (blocks of one element)."""
+        return cls(length, 0, data_offset=0, block_size=element_size, shape=shape,
+                   dtype=dtype, checked=False)
 
     def to_json(self, offset: int) -> list[Any]:
+        if not self.checked:
+            raise errors.DCPVolumesError("an entry with no checksum is never written to a "
+                                         "manifest")
         out: list[Any] = [offset, self.length, self.crc]
         if self.data_offset is not None:
             out.append({"data": self.data_offset, "block": self.block_size,

@@ -44,6 +44,9 @@ _CODES: dict[str, str] = {name: code for code, (name, _) in DTYPES.items()}
 
 #: the largest header accepted, as the safetensors library's own limit (100 MB)
 MAX_HEADER_BYTES = 100_000_000
+#: the most tensors one file may hold (the largest models have some 10**4 per file); checked
+#: before the JSON is parsed, so a 100 MB header cannot build a million Python objects
+MAX_ENTRIES = 200_000
 #: the most dimensions a tensor may have (torch's own limit is 64)
 MAX_DIMS = 64
 _PREFIX = 8  # the u64 header length
@@ -166,6 +169,8 @@ def parse_header(body: bytes, size: int, what: str) -> Header:
     _check_length(len(body), size, what)
     if not body.startswith(b"{"):
         raise _bad(what, "its header is not a JSON object")
+    if body.count(b":") > 8 * MAX_ENTRIES:  # each entry has 4 colons; a bound before parsing
+        raise _bad(what, f"its header holds more than {MAX_ENTRIES} tensors")
     try:
         doc = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -176,6 +181,8 @@ def parse_header(body: bytes, size: int, what: str) -> Header:
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _bad(what, "its __metadata__ is not a map of strings to strings")
+    if len(doc) > MAX_ENTRIES:
+        raise _bad(what, f"its header holds {len(doc)} tensors, more than {MAX_ENTRIES}")
     capacity = size - _PREFIX - len(body)
     entries = sorted((_entry(name, value, what) for name, value in doc.items()),
                      key=lambda e: (e.begin, e.end))

@@ -20,6 +20,7 @@ __all__ = [
     "SpoolError",
     "StoragePermissionError",
     "UnsafeCheckpointError",
+    "UnsupportedTransformError",
     "UploadError",
 ]
 
@@ -68,6 +69,12 @@ class StoragePermissionError(DCPVolumesError, PermissionError):
 class UnsafeCheckpointError(DCPVolumesError):
     """Stored metadata tried to load a class outside the allow-list, or a stored
     path tries to escape the checkpoint's root."""
+
+
+class UnsupportedTransformError(DCPVolumesError):
+    """Stored items were written through a stream transform (torch's ``_extensions``) that
+    this installation cannot decode: an unknown one, or a known one whose package is
+    missing; the message names the transform and what to install."""
 
 
 class BucketNotFoundError(DCPVolumesError, FileNotFoundError):

@@ -127,6 +127,7 @@ class VolumeReader(Location, StorageReader):
         self._local: dict[str, tier.LocalFile] = {}
         self._local_rejected: dict[str, str] = {}
         self._storage_data: dict[Any, Any] = {}
+        self._metadata: Metadata | None = None
         self._manifest: Manifest | None = None
         self._rank = 0
         self.last_stats: LoadStats | None = None
@@ -197,6 +198,7 @@ class VolumeReader(Location, StorageReader):
         if metadata.storage_data is None:
             raise errors.IntegrityError(f"{redact_url(self._url)}: .metadata has no storage_data")
         self._storage_data = metadata.storage_data
+        self._metadata = metadata
         self._rank = _compat.storage_rank(kwargs)
         self.last_stats = None
         self._local, self._local_rejected = {}, {}
@@ -221,7 +223,8 @@ class VolumeReader(Location, StorageReader):
         try:
             # a rank reads what it needs of its local files itself (left out here), and
             # serves those files to the ranks that need them
-            needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url),
+            needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url,
+                                            self._metadata),
                                  getattr(p.storage_data, "local_files", frozenset()))
                      for p in plans]
         except errors.DCPVolumesError as exc:
@@ -270,17 +273,23 @@ class VolumeReader(Location, StorageReader):
         return self._done(LoadStats(
             rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
             items=len(needs), ranges=nranges, fetch_s=time.monotonic() - start,
-            verified=self._manifest is not None,
+            verified=self._verified,
             retries=stats.retries + self._metadata_retries,
             bytes_from_local=local.bytes_used, local_fallbacks=self._fallbacks(needs, local),
         ), url)
+
+    @property
+    def _verified(self) -> bool:
+        """Whether this load checks stored bytes against checksums (a manifest)."""
+        return self._manifest is not None
 
     def _read_tier(self, plan: LoadPlan, planner: LoadPlanner, url: str
                    ) -> tuple[list[Need], tier.LocalRead, list[Need]]:
         """This rank's needs, applied from the local tier first: (all needs, what the tier
         did, the needs it does not hold). What fails there (and only that) goes to the store
         after."""
-        needs = plan_needs(plan.items, self._storage_data, self._manifest, url)
+        needs = plan_needs(plan.items, self._storage_data, self._manifest, url,
+                           self._metadata)
         local = self._read_local(needs, planner, url)
         return needs, local, _from_store(needs, frozenset(self._local))
 
@@ -319,7 +328,7 @@ class VolumeReader(Location, StorageReader):
             rank=self._rank, bytes_needed=sum(n.needed for n in needs),
             bytes_fetched=figures.bytes_fetched + fetched, items=len(needs),
             ranges=figures.ranges + nranges, fetch_s=time.monotonic() - start,
-            verified=self._manifest is not None,
+            verified=self._verified,
             retries=figures.calls.retries + stats.retries + self._metadata_retries,
             cooperative=True, bytes_from_peers=figures.bytes_from_peers,
             bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
@@ -351,6 +360,10 @@ class VolumeReader(Location, StorageReader):
     def _fetch_direct(self, needs: list[Need], planner: LoadPlanner, url: str,
                       stats: CallStats) -> tuple[int, int]:
         """Fetch, check and apply ``needs`` from the store; (bytes fetched, ranges)."""
+        empty = [n for n in needs if n.start == n.end and n.first_block is not None]
+        for need in empty:  # reads of no element of a raw tensor: nothing to fetch
+            apply_need(need, memoryview(b""), planner, self.safe_globals)
+        needs = [n for n in needs if not (n.start == n.end and n.first_block is not None)]
         if not needs:
             return 0, 0
         backend = self._backend()

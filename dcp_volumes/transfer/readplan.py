@@ -5,6 +5,10 @@ A stored item is fetched whole (and its CRC32C checked) unless the manifest reco
 the raw bytes of a large contiguous tensor sit inside it (``ItemEntry.data_offset``). Then
 only the blocks covering the elements this rank's read items need are fetched, each block
 checked against its own CRC32C — a resharding load reads about what its new shards need.
+An entry with no checksum (``ItemEntry.raw``, built by the code for a safetensors tensor,
+never read from a manifest) is narrowed the same way, to the element, with only its length
+checked. An item written through torch's stream transforms (``transform_descriptors``) is
+fetched whole and decoded with a bound (:mod:`dcp_volumes.transfer.transforms`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import ItemEntry, Manifest
+from dcp_volumes.transfer import transforms
 from dcp_volumes.transfer.download import RangeRequest
 
 __all__ = ["DirectTarget", "Need", "Span", "apply_need", "check_need", "check_object_item",
@@ -43,6 +48,10 @@ class Need:
     entry: ItemEntry | None = None
     first_block: int | None = None  # set when the span covers raw data blocks only
     needed: int = 0
+    #: torch's stream transforms the item was written through (decoded in apply_need)
+    transforms: tuple[str, ...] = ()
+    #: the most the item may decode to (with ``transforms``)
+    decoded_limit: int = 0
 
 
 def describe(read: ReadItem) -> str:
@@ -65,8 +74,17 @@ def _element_span(read: ReadItem, strides: tuple[int, ...]) -> tuple[int, int]:
 
 
 def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
-               manifest: Manifest | None, url: str) -> list[Need]:
-    """One :class:`Need` per stored item the reads touch."""
+               manifest: Manifest | None, url: str, metadata: Any = None) -> list[Need]:
+    """One :class:`Need` per stored item the reads touch.
+
+    ``metadata``: the checkpoint's ``Metadata``, which bounds what an item written through
+    a stream transform may decode to (without it: :data:`~dcp_volumes.transfer.transforms.
+    MAX_OBJECT_BYTES`).
+
+    Raises:
+        UnsupportedTransformError: an item was written through a transform that cannot be
+            decoded here (before any byte is fetched).
+    """
     by_item: dict[tuple[str, int], list[ReadItem]] = {}
     infos: dict[tuple[str, int], Any] = {}
     for read in reads:
@@ -91,13 +109,37 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
                     f"{describe(item_reads[0])} in shard {relative}: .metadata says {length} "
                     f"bytes, manifest says {entry.length}"
                 )
-        needs.append(_need_for(relative, offset, length, item_reads, entry))
+        descriptors = getattr(infos[(relative, offset)], "transform_descriptors", None)
+        if descriptors:  # fetched whole: the stored bytes are a transform's output
+            what = f"{describe(item_reads[0])} in shard {relative} of {url}"
+            need = Need(relative, offset, offset + length, offset, length, item_reads, entry,
+                        None, length, transforms.check_transforms(descriptors, what),
+                        _decoded_limit(item_reads[0], metadata))
+        else:
+            need = _need_for(relative, offset, length, item_reads, entry)
+        needs.append(need)
     return needs
+
+
+def _decoded_limit(read: ReadItem, metadata: Any) -> int:
+    """What the stored chunk a read item comes from may decode to (its metadata's size)."""
+    md = getattr(metadata, "state_dict_metadata", {}).get(read.storage_index.fqn)
+    chunks = getattr(md, "chunks", None)
+    if md is None or read.type == LoadItemType.BYTE_IO or not chunks:
+        return transforms.decoded_limit(None, 0)
+    offset = tuple(read.storage_index.offset or ())
+    for chunk in chunks:
+        if tuple(chunk.offsets) == offset:
+            es = torch.empty((), dtype=md.properties.dtype).element_size()
+            return transforms.decoded_limit(tuple(chunk.sizes), es)
+    return transforms.decoded_limit(None, 0)
 
 
 def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
               entry: ItemEntry | None) -> Need:
     whole = Need(relative, offset, offset + length, offset, length, reads, entry, None, length)
+    if entry is not None and not entry.checked:
+        return _raw_need(relative, offset, length, reads, entry)
     if (
         entry is None
         or entry.data_offset is None
@@ -118,6 +160,23 @@ def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
     data_start = offset + entry.data_offset
     return Need(relative, data_start + b0 * bs, data_start + min(b1 * bs, nbytes), offset,
                 length, reads, entry, b0, sum(math.prod(r.lengths) * es for r in reads))
+
+
+def _raw_need(relative: str, offset: int, length: int, reads: list[ReadItem],
+              entry: ItemEntry) -> Need:
+    """The span of a raw item (nothing but the tensor's bytes) its reads' elements cover;
+    an empty span at the item's start when they cover none."""
+    es = entry.block_size  # a raw entry's blocks are its elements
+    strides = _contiguous_strides(entry.shape)
+    spans = [_element_span(r, strides) for r in reads if math.prod(r.lengths)]
+    if any(r.type != LoadItemType.TENSOR for r in reads):
+        raise errors.IntegrityError(f"{describe(reads[0])} is a tensor in the stored file, "
+                                    "but the state dict holds a non-tensor value there")
+    if not spans:
+        return Need(relative, offset, offset, offset, length, reads, entry, 0, 0)
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return Need(relative, offset + lo * es, offset + hi * es, offset, length, reads, entry, lo,
+                sum(math.prod(r.lengths) * es for r in reads))
 
 
 class Span(Protocol):
@@ -166,7 +225,7 @@ def check_need(need: Need, chunk: memoryview, url: str) -> None:
             f"{need.start}..{need.end}, got {len(chunk)}"
         )
     entry = need.entry
-    if entry is None:
+    if entry is None or not entry.checked:
         return
     if need.first_block is None:
         actual = crc32c.crc32c(chunk)
@@ -198,8 +257,13 @@ def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
     top of what torch's weights-only unpickler allows.
     """
     if need.first_block is None:
+        if need.transforms:
+            what = f"{describe(need.reads[0])} in shard {need.relative}"
+            chunk = transforms.decode(need.transforms, chunk, limit=need.decoded_limit,
+                                      what=what)
+            transforms.check_zip_crcs(chunk, what)
         for read in need.reads:
-            _apply_item(read, chunk, planner, trusted)
+            _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms))
         return
     entry = cast(ItemEntry, need.entry)
     dtype = getattr(torch, entry.dtype)
@@ -209,6 +273,9 @@ def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
     strides = _contiguous_strides(entry.shape)
     base = need.first_block * entry.block_size // flat.element_size()
     for read in need.reads:
+        if not math.prod(read.lengths):
+            _copy_into(read, torch.empty(tuple(read.lengths), dtype=dtype), planner)
+            continue
         first, _ = _element_span(read, strides)
         view = torch.as_strided(flat, size=tuple(read.lengths), stride=strides,
                                 storage_offset=first - base)
@@ -257,14 +324,25 @@ def _name_of(obj: Any) -> str:
 
 
 def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
-                trusted: Sequence[Any]) -> None:
-    """Deserialize one whole stored item exactly as torch's FileSystemReader does."""
+                trusted: Sequence[Any], *, decoded: bool = False) -> None:
+    """Deserialize one whole stored item exactly as torch's FileSystemReader does.
+    ``decoded``: the bytes were decoded from a stream transform, so one that is not a
+    readable tensor is damaged data (an ``IntegrityError``), not a format torch rejects."""
     if read.type == LoadItemType.BYTE_IO:
         check_object_item(read, chunk, trusted)
         planner.load_bytes(read, io.BytesIO(chunk))
         return
-    tensor = cast(torch.Tensor, torch.load(io.BytesIO(chunk), map_location="cpu",
-                                           weights_only=True))
+    try:
+        tensor = torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        if not decoded:
+            raise
+        raise errors.IntegrityError(f"{describe(read)} does not decode to a readable tensor "
+                                    f"({type(exc).__name__}): the stored bytes are damaged"
+                                    ) from exc
+    if not isinstance(tensor, torch.Tensor):
+        raise errors.IntegrityError(f"{describe(read)} is stored as a tensor item but holds "
+                                    f"a {type(tensor).__name__}")
     _copy_into(read, narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths), planner)
 
 

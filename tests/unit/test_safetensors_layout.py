@@ -61,3 +61,12 @@ def test_a_dtype_safetensors_cannot_store_is_a_config_error() -> None:
     with pytest.raises(errors.ConfigError, match="complex128"):
         _safetensors.layout([("z", "complex128", (2,))])
     assert _safetensors.code_for("torch.bfloat16") == "BF16"
+
+
+def test_a_header_with_too_many_tensors_is_refused_before_it_is_parsed(monkeypatch) -> None:
+    monkeypatch.setattr(_safetensors, "MAX_ENTRIES", 10)
+    _, encoded = _safetensors.layout([(f"t{i}", "uint8", (0,)) for i in range(11)])
+    with pytest.raises(errors.IntegrityError, match="11 tensors, more than 10"):
+        _safetensors.read_header(lambda a, b: encoded[a:b], len(encoded), "many.safetensors")
+    _, encoded = _safetensors.layout([(f"t{i}", "uint8", (0,)) for i in range(10)])
+    assert len(_safetensors.read_header(lambda a, b: encoded[a:b], len(encoded), "x").entries) == 10

@@ -1,0 +1,207 @@
+"""Torch's stream transforms on load: the ``transform_descriptors`` a ``FileSystemWriter(...,
+_extensions=[ZStandard()])`` records per item, decoded with a bound.
+
+torch writes such an item as ``transform(torch.save(value))`` and records the transforms'
+descriptors (``"stream.zstd/1"``) in the item's ``_StorageInfo``; its own reader undoes them
+in the order listed. Here:
+
+- :func:`check_transforms` refuses, before any byte is fetched, a descriptor this
+  installation cannot decode (an unknown name or version, or ``stream.zstd`` with neither
+  ``zstandard`` nor ``pyzstd`` importable) with :class:`~dcp_volumes.errors.
+  UnsupportedTransformError` naming it and what to install.
+- :func:`decode` undoes them with an output bound taken from the item's metadata
+  (:func:`decoded_limit`): a frame that claims, or inflates to, more than the bound is an
+  :class:`~dcp_volumes.errors.IntegrityError` before that memory is allocated, so a small
+  crafted item cannot exhaust memory. The decoded item is a ``torch.save`` zip, whose
+  per-record CRC-32 (written by torch by default) is checked (:func:`check_zip_crcs`):
+  torch's own zip reader does not check it, and torch's zstd frames carry no checksum.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from dcp_volumes import errors
+
+__all__ = ["MAX_OBJECT_BYTES", "TENSOR_OVERHEAD", "check_transforms", "check_zip_crcs",
+           "decode", "decoded_limit"]
+
+#: the most a non-tensor item may decode to (DCP's pickled objects: configs, RNG and
+#: dataloader state, optimizer param groups)
+MAX_OBJECT_BYTES = 256 * 2**20
+#: what ``torch.save`` adds to a tensor's bytes (its pickle, records, zip directory), at most
+TENSOR_OVERHEAD = 64 * 2**10
+
+_ZSTD = "stream.zstd"
+_INSTALL = "pip install zstandard"
+
+
+def _parse(descriptor: object, what: str) -> tuple[str, str]:
+    if not isinstance(descriptor, str) or len(descriptor) > 200:
+        raise errors.UnsupportedTransformError(
+            f"{what} has a stream transform descriptor that is not a short string: the "
+            ".metadata is damaged or was not written by torch")
+    name, _, version = descriptor.partition("/")
+    return name, version
+
+
+def _zstd_module(what: str, descriptor: str) -> Any:
+    for module in ("zstandard", "pyzstd"):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    raise errors.UnsupportedTransformError(
+        f"{what} is compressed with torch's ZStandard extension ({descriptor!r}), and "
+        f"neither zstandard nor pyzstd is installed: {_INSTALL}")
+
+
+def check_transforms(descriptors: Sequence[str], what: str) -> tuple[str, ...]:
+    """The descriptors, once each is known to be decodable here.
+
+    Raises:
+        UnsupportedTransformError: an unknown transform or version, or ``stream.zstd``
+            without ``zstandard``/``pyzstd``; the message names it and what to install.
+    """
+    if isinstance(descriptors, (str, bytes)) or not isinstance(descriptors, Sequence) \
+            or len(descriptors) > 8:
+        raise errors.UnsupportedTransformError(
+            f"{what} has stream transform descriptors that are not a short list: the "
+            ".metadata is damaged or was not written by torch")
+    out = []
+    for descriptor in descriptors:
+        name, version = _parse(descriptor, what)
+        if name != _ZSTD:
+            raise errors.UnsupportedTransformError(
+                f"{what} was written through the stream transform {descriptor!r}, which "
+                f"dcp_volumes cannot decode (it decodes {_ZSTD!r}, torch's ZStandard "
+                "extension): load it with the torch reader that has that extension registered")
+        if version.partition(".")[0] != "1":
+            raise errors.UnsupportedTransformError(
+                f"{what} was written with version {version!r} of {_ZSTD!r}; dcp_volumes "
+                "decodes version 1: upgrade dcp_volumes")
+        _zstd_module(what, descriptor)
+        out.append(descriptor)
+    return tuple(out)
+
+
+def decoded_limit(chunk_sizes: Sequence[int] | None, element_size: int) -> int:
+    """The most an item may decode to: a tensor chunk of ``chunk_sizes`` elements of
+    ``element_size`` bytes plus ``torch.save``'s overhead, or (``None``: a non-tensor item)
+    :data:`MAX_OBJECT_BYTES`."""
+    if chunk_sizes is None:
+        return MAX_OBJECT_BYTES
+    return math.prod(chunk_sizes) * element_size + TENSOR_OVERHEAD
+
+
+def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: str
+           ) -> memoryview:
+    """Undo the transforms (in the order torch lists them), each output at most ``limit``.
+
+    Raises:
+        IntegrityError: the data is not a valid stream of that transform, or claims or
+            decodes to more than ``limit`` bytes.
+    """
+    out = data
+    for descriptor in descriptors:
+        module = _zstd_module(what, descriptor)
+        if module.__name__ == "zstandard":
+            out = memoryview(_zstandard(module, out, limit, what))
+        else:
+            out = memoryview(_pyzstd(module, out, limit, what))
+    return out
+
+
+def _bomb(what: str, why: str, limit: int) -> errors.IntegrityError:
+    return errors.IntegrityError(
+        f"{what}: its zstd stream {why}, more than the {limit} bytes its metadata allows: "
+        "the stored bytes are damaged or crafted; refusing to decode it")
+
+
+def _corrupt(what: str, exc: BaseException) -> errors.IntegrityError:
+    return errors.IntegrityError(
+        f"{what}: its zstd stream cannot be decoded ({exc}): the stored bytes are corrupt")
+
+
+def _zstandard(zstd: Any, data: memoryview, limit: int, what: str) -> bytes:
+    try:
+        claimed = zstd.frame_content_size(data)
+    except zstd.ZstdError as exc:
+        raise _corrupt(what, exc) from exc
+    # the one-shot decoder allocates what the frame claims, so the claim is checked first;
+    # without one it allocates max_output_size and fails beyond it
+    if claimed > limit:
+        raise _bomb(what, f"claims {claimed} bytes", limit)
+    try:
+        return bytes(zstd.ZstdDecompressor().decompress(data, max_output_size=max(limit, 1)))
+    except zstd.ZstdError as exc:
+        if claimed < 0 and "full frame" in str(exc):
+            # a complete frame that does not fit, or a truncated one: both refused
+            raise errors.IntegrityError(
+                f"{what}: its zstd stream is truncated or decodes to more than the {limit} "
+                "bytes its metadata allows: the stored bytes are damaged or crafted") from exc
+        raise _corrupt(what, exc) from exc
+
+
+def _pyzstd(pyzstd: Any, data: memoryview, limit: int, what: str) -> bytes:
+    decompressor = pyzstd.EndlessZstdDecompressor()
+    out = bytearray()
+    source: Any = data
+    try:
+        while True:
+            piece = decompressor.decompress(source, max_length=limit + 1 - len(out))
+            source = b""
+            out += piece
+            if len(out) > limit:
+                raise _bomb(what, "inflates", limit)
+            if not piece and decompressor.needs_input:
+                break
+    except pyzstd.ZstdError as exc:
+        raise _corrupt(what, exc) from exc
+    if not decompressor.at_frame_edge:
+        raise errors.IntegrityError(f"{what}: its zstd stream is truncated: the stored "
+                                    "bytes are damaged")
+    return bytes(out)
+
+
+_LOCAL = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)
+
+
+def check_zip_crcs(data: memoryview, what: str) -> None:
+    """Check every stored record of a ``torch.save`` zip against its CRC-32 (torch writes
+    them unless ``torch.serialization.set_crc32_options(False)``: a CRC of 0 is taken as
+    not recorded). Data that is not a zip (a raw ``io.BytesIO`` value) is left alone.
+
+    Raises:
+        IntegrityError: a record's bytes do not match its CRC-32, or the zip is damaged.
+    """
+    if bytes(data[:4]) != b"PK\x03\x04":
+        return
+    import io
+    import zipfile
+
+    try:
+        infos = zipfile.ZipFile(io.BytesIO(data)).infolist()  # the directory only
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise errors.IntegrityError(f"{what}: the decoded item is a damaged zip "
+                                    f"({exc})") from exc
+    for info in infos:
+        start = info.header_offset
+        if start + _LOCAL.size > len(data):
+            raise errors.IntegrityError(f"{what}: the decoded zip's records are damaged")
+        fields = _LOCAL.unpack_from(data, start)
+        begin = start + _LOCAL.size + fields[9] + fields[10]
+        end = begin + info.compress_size
+        if fields[0] != b"PK\x03\x04" or end > len(data):
+            raise errors.IntegrityError(f"{what}: the decoded zip's records are damaged")
+        if info.compress_type != zipfile.ZIP_STORED or info.CRC == 0:
+            continue
+        if zlib.crc32(data[begin:end]) != info.CRC:
+            raise errors.IntegrityError(
+                f"{what}: record {info.filename!r} of the decoded item does not match its "
+                "CRC-32: the stored bytes are corrupt")
