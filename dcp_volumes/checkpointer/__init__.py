@@ -19,6 +19,6 @@ collectives), ``_checkpointer`` (the object itself).
 from __future__ import annotations
 
 from dcp_volumes.checkpointer._checkpointer import Checkpointer
-from dcp_volumes.checkpointer._policy import Marks, SaveKind, SavePolicy
+from dcp_volumes.checkpointer._policy import Marks, SaveKind, SavePolicy, retain
 
-__all__ = ["Checkpointer", "Marks", "SaveKind", "SavePolicy"]
+__all__ = ["Checkpointer", "Marks", "SaveKind", "SavePolicy", "retain"]

@@ -1,0 +1,345 @@
+"""Lightning integration against the real ``lightning`` package, SeaweedFS and gloo ranks.
+
+One scenario, run once for the module (Lightning's import costs seconds per process), and
+tests that read what it recorded:
+
+1. 2 ranks train 3 epochs (12 steps) with :class:`VolumeModelParallelStrategy` (FSDP2 on
+   CPU), saving every epoch with ``keep_last=2``; rank 1 is SIGKILLed after uploading its
+   shards of step 12 (nothing committed) -- up to there an uninterrupted run;
+2. 1 process (world size 2 -> 1) resumes from that root: the incomplete step 12 is skipped;
+   in the same process, a single-device run saves and resumes through
+   :class:`VolumeCheckpointIO`;
+3. 2 new processes resume and train epoch 3 again: their losses equal the uninterrupted
+   run's; then Fabric with :class:`VolumeFabricModelParallelStrategy` saves and loads.
+
+Ranks are started by ``run_ranks`` (gloo on 127.0.0.1); Lightning picks up the process group
+and the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables (``LightningEnvironment``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcp_volumes import catalog
+from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
+
+pytestmark = pytest.mark.xdist_group("lightning")
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+BATCHES = 4  # per rank per epoch, at 2 ranks
+WIDTH = 8
+
+
+# ---- what runs in the ranks -----------------------------------------------------------------
+def _quiet() -> None:
+    import logging
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _module() -> Any:
+    import lightning.pytorch as pl
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(),
+                                           torch.nn.Linear(32, 1))
+            self.losses: list[float] = []
+            self.start_step: int | None = None
+            self.start_weights: dict[str, Any] | None = None
+            self.start_optim: Any = None
+
+        def configure_model(self) -> None:
+            if self.device_mesh is None:  # not ModelParallelStrategy
+                return
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def on_train_start(self) -> None:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            self.start_step = self.trainer.global_step
+            full = get_model_state_dict(
+                self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            # plain lists: tensors would cross to the parent as shared memory
+            self.start_weights = {k: v.tolist() for k, v in full.items()}
+            if self.device_mesh is None:  # one device: the optimizer state, as plain lists
+                self.start_optim = _plain(self.trainer.optimizers[0].state_dict()["state"])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    return Tiny()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _data() -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * BATCHES * 4, WIDTH, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4,
+                                       shuffle=False)
+
+
+def _kill_after_upload(step: int) -> None:
+    """This process SIGKILLs itself once its shards of checkpoint ``step`` are in the store
+    (so the coordinator never commits it)."""
+    from dcp_volumes import writer as writer_module
+
+    original = writer_module.VolumeWriter.write_data
+
+    def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+        future = original(self, plan, planner)
+        if self.checkpoint_id.rstrip("/").endswith(f"step-{step:08d}"):
+            future.wait()  # this rank's bytes are in the store
+            os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+    writer_module.VolumeWriter.write_data = write_then_die  # type: ignore[method-assign]
+
+
+def _fit(trainer: Any, model: Any, ckpt_path: str | None) -> dict[str, Any]:
+    """``trainer.fit``; what it recorded, and the error it raised (if any)."""
+    error = None
+    try:
+        trainer.fit(model, train_dataloaders=_data(), ckpt_path=ckpt_path)
+    except Exception as exc:  # noqa: BLE001 -- the survivor of a kill: its error is checked
+        error = type(exc).__name__
+    return {"losses": model.losses, "start_step": model.start_step, "ckpt_path": ckpt_path,
+            "start_weights": model.start_weights, "global_step": trainer.global_step,
+            "error": error}
+
+
+def _trainer(world: int, epochs: int, save: bool, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+
+    ckpt_dir = Path(os.environ["LIGHTNING_TEST_TMP"]) / f"mc-{uuid.uuid4().hex[:6]}"
+    callbacks = [pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1,
+                                              save_top_k=-1, save_on_train_epoch_end=True)]
+    return pl.Trainer(accelerator="cpu", devices=world, max_epochs=epochs, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=save, callbacks=callbacks if save else None,
+                      **kwargs), ckpt_dir
+
+
+def _train(world: int, root: str, options: dict[str, Any], epochs: int, resume: bool,
+           save: bool = True) -> dict[str, Any]:
+    """Train to ``epochs`` with :class:`VolumeModelParallelStrategy` (``keep_last=2``)."""
+    from dcp_volumes.integrations.lightning import VolumeModelParallelStrategy
+
+    # FSDP over every rank ("auto" would make the ranks of one node tensor-parallel)
+    strategy = VolumeModelParallelStrategy(root, storage_options=options, keep_last=2,
+                                           data_parallel_size=world, tensor_parallel_size=1)
+    trainer, ckpt_dir = _trainer(world, epochs, save, strategy=strategy)
+    out = _fit(trainer, _module(), strategy.resume_path() if resume else None)
+    # ModelCheckpoint decided when; nothing went to its local directory
+    out["local_files"] = sorted(os.listdir(ckpt_dir)) if ckpt_dir.exists() else []
+    return out
+
+
+def _checkpoint_io_round_trip(root: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A single-device run saves through VolumeCheckpointIO; a new Trainer resumes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from dcp_volumes.integrations.lightning import VolumeCheckpointIO
+
+    io = VolumeCheckpointIO(root, storage_options=options, keep_last=1)
+    trainer, _ = _trainer(1, 2, True, plugins=[io])
+    first = _fit(trainer, _module(), None)
+    saved = get_model_state_dict(trainer.lightning_module.net,
+                                 options=StateDictOptions(full_state_dict=True))
+    optim = _plain(trainer.optimizers[0].state_dict()["state"])
+    model = _module()
+    resumed = _fit(_trainer(1, 3, True, plugins=[io])[0], model, io.resume_path())
+    return {"first": first, "resumed": resumed, "saved_optim": optim,
+            "start_optim": model.start_optim,
+            "saved_weights": {k: v.tolist() for k, v in saved.items()}}
+
+
+def _fabric_round_trip(rank: int, world: int, root: str, options: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """Fabric: train 2 steps, save, load into a fresh model + optimizer, take one more step
+    with each: the same loss (weights and optimizer state both came back)."""
+    import lightning as L
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from dcp_volumes.integrations.lightning import VolumeFabricModelParallelStrategy
+
+    def parallelize(model: Any, mesh: Any) -> Any:
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    strategy = VolumeFabricModelParallelStrategy(root, parallelize, storage_options=options,
+                                                 data_parallel_size=world,
+                                                 tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+
+    def make() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        net = fabric.setup_module(torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+        return net, fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-2))
+
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 + rank))
+
+    def step(net: Any, opt: Any) -> float:
+        loss = net(x).pow(2).mean()
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    net, opt = make()
+    for _ in range(2):
+        step(net, opt)
+    fabric.save(strategy.url_for(2), {"model": net, "optim": opt, "step": 2, "note": "a"})
+    net2, opt2 = make()
+    state = {"model": net2, "optim": opt2, "step": 0}
+    rest = fabric.load(strategy.resume_path(), state)
+    return {"step": state["step"], "rest": rest, "next": step(net, opt),
+            "next_loaded": step(net2, opt2)}
+
+
+def _killed_run(rank: int, world: int, root: str, options: dict[str, Any]) -> dict[str, Any]:
+    _quiet()
+    if rank == 1:
+        _kill_after_upload(3 * BATCHES)
+    return _train(world, root, options, 3, False)
+
+
+def _one_rank_then_checkpoint_io(rank: int, world: int, root: str, io_root: str,
+                                 options: dict[str, Any]) -> dict[str, Any]:
+    _quiet()
+    return {"one_rank": _train(world, root, options, 3, True, save=False),
+            "io": _checkpoint_io_round_trip(io_root, options)}
+
+
+def _resumed_then_fabric(rank: int, world: int, root: str, fabric_root: str,
+                         options: dict[str, Any]) -> dict[str, Any]:
+    _quiet()
+    return {"resumed": _train(world, root, options, 3, True),
+            "fabric": _fabric_round_trip(rank, world, fabric_root, options)}
+
+
+# ---- the scenario, once ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scenario(seaweedfs: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    os.environ["LIGHTNING_TEST_TMP"] = str(tmp_path_factory.mktemp("lightning"))
+    run, io, fab = seaweedfs.store(), seaweedfs.store(), seaweedfs.store()
+    opts = run.storage_options
+    out: dict[str, Any] = {"root": run.root, "io_root": io.root}
+    out["killed"] = run_ranks_with_victim(2, 1, _killed_run, run.root, opts, timeout=240)
+    out["killed_listing"] = catalog.list_checkpoints(run.root, storage_options=opts)
+    out.update(run_ranks(1, _one_rank_then_checkpoint_io, run.root, io.root, opts)[0])
+    out["io_listing"] = catalog.list_checkpoints(io.root, storage_options=opts)
+    both = run_ranks(2, _resumed_then_fabric, run.root, fab.root, opts)
+    out["resumed"] = [b["resumed"] for b in both]
+    out["fabric"] = [b["fabric"] for b in both]
+    out["final_listing"] = catalog.list_checkpoints(run.root, storage_options=opts)
+    yield out
+
+
+def _names(listing: list[catalog.CheckpointInfo], complete: bool) -> list[str]:
+    return sorted(i.name for i in listing if i.complete == complete)
+
+
+def _step(n: int) -> str:
+    return f"step-{n:08d}"
+
+
+def test_a_killed_save_leaves_an_incomplete_step_that_resume_skips(
+        scenario: dict[str, Any]) -> None:
+    killed = scenario["killed"]
+    assert sorted(killed) == [0]  # rank 1 was SIGKILLed
+    ok, out = killed[0]
+    assert ok, out
+    assert out["error"] is not None  # the survivor's save of step 12 failed: no commit
+    assert len(out["losses"]) == 3 * BATCHES  # it trained all of epoch 3 first
+    assert _names(scenario["killed_listing"], True) == [_step(4), _step(8)]
+    assert _names(scenario["killed_listing"], False) == [_step(12)]
+    for rank in (0, 1):
+        assert scenario["resumed"][rank]["ckpt_path"] == f"{scenario['root']}/{_step(8)}"
+
+
+def test_resume_in_new_processes_continues_the_uninterrupted_run_exactly(
+        scenario: dict[str, Any]) -> None:
+    uninterrupted = scenario["killed"][0][1]["losses"]  # rank 0, steps 1..12
+    resumed = scenario["resumed"]
+    assert [r["error"] for r in resumed] == [None, None]
+    assert [r["start_step"] for r in resumed] == [2 * BATCHES] * 2
+    # epoch 3 after resuming from step 8 in new processes: loss for loss, bit for bit
+    assert resumed[0]["losses"] == uninterrupted[2 * BATCHES:]
+    assert resumed[1]["losses"] != resumed[0]["losses"]  # each rank its own shard of data
+    assert [r["local_files"] for r in resumed] == [[], []]
+
+
+def test_retention_keeps_the_last_two(scenario: dict[str, Any]) -> None:
+    # after step 12 committed: 8 and 12 kept, 4 removed; incomplete ones never count
+    assert _names(scenario["final_listing"], True) == [_step(8), _step(12)]
+    assert _names(scenario["final_listing"], False) == []
+    # CheckpointIO, keep_last=1: steps 8 and 16 removed once 16 and 24 committed
+    assert _names(scenario["io_listing"], True) == [_step(24)]
+
+
+def test_resume_on_one_rank_reshards_the_two_rank_checkpoint(scenario: dict[str, Any]) -> None:
+    one = scenario["one_rank"]
+    assert one["error"] is None
+    assert one["start_step"] == 2 * BATCHES
+    assert one["ckpt_path"] == f"{scenario['root']}/{_step(8)}"
+    # the full weights it starts from are those the 2-rank resume starts from
+    assert one["start_weights"] == scenario["resumed"][0]["start_weights"]
+
+
+def test_checkpoint_io_round_trip_single_device(scenario: dict[str, Any]) -> None:
+    io = scenario["io"]
+    assert io["first"]["error"] is None and io["resumed"]["error"] is None
+    assert io["first"]["global_step"] == 2 * 2 * BATCHES  # 8 batches an epoch on one device
+    assert io["resumed"]["ckpt_path"] == f"{scenario['io_root']}/{_step(16)}"
+    assert io["resumed"]["start_step"] == 16
+    assert io["resumed"]["start_weights"] == io["saved_weights"]
+    assert io["saved_optim"] and io["start_optim"] == io["saved_optim"]  # int ids, same values
+    assert io["resumed"]["global_step"] == 24
+
+
+def test_fabric_save_and_load_round_trip(scenario: dict[str, Any]) -> None:
+    for out in scenario["fabric"]:
+        assert out["step"] == 2
+        assert out["rest"] == {"note": "a"}  # metadata not asked for comes back
+        assert out["next_loaded"] == out["next"]
