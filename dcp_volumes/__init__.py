@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from dcp_volumes._staging import release_staging_buffers
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
+    from dcp_volumes.export import ExportReport, export_safetensors
     from dcp_volumes.reader import VolumeReader
     from dcp_volumes.safetensors_reader import SafetensorsReader
     from dcp_volumes.stats import LoadStats, SaveStats
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Checkpointer",
+    "ExportReport",
     "LoadStats",
     "LocalTierOptions",
     "RetryOptions",
@@ -38,6 +40,7 @@ __all__ = [
     "VolumeReader",
     "VolumeWriter",
     "__version__",
+    "export_safetensors",
     "load",
     "release_staging_buffers",
     "save",
@@ -55,6 +58,8 @@ _LAZY: dict[str, str] = {
     "RetryOptions": "dcp_volumes.config",
     "SaveStats": "dcp_volumes.stats",
     "LoadStats": "dcp_volumes.stats",
+    "export_safetensors": "dcp_volumes.export",
+    "ExportReport": "dcp_volumes.export",
     "save": "dcp_volumes._api",
     "load": "dcp_volumes._api",
     "release_staging_buffers": "dcp_volumes._staging",

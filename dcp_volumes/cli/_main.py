@@ -1,7 +1,7 @@
 """The ``dcp-volumes`` command: the parser, dispatch and exit codes.
 
 Commands live in one module per group (:mod:`~dcp_volumes.cli.lifecycle`,
-:mod:`~dcp_volumes.cli.plan`, :mod:`~dcp_volumes.cli.bench`); each has a
+:mod:`~dcp_volumes.cli.export`, :mod:`~dcp_volumes.cli.plan`, :mod:`~dcp_volumes.cli.bench`); each has a
 ``register(sub, common)`` that adds its subcommands, listed in :func:`_command_groups` in
 ``dcp-volumes --help`` order. A subcommand is two functions. ``_add_<name>(sub, common)``
 declares its parser with ``sub.add_parser("<name>", parents=[common], ...)`` (``common``
@@ -36,7 +36,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from dcp_volumes.cli import bench, lifecycle, plan
+from dcp_volumes.cli import bench, export, lifecycle, plan
 from dcp_volumes.cli._exit import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -164,4 +164,4 @@ def _version() -> str:
 
 def _command_groups() -> tuple[Registrar, ...]:
     """One entry per command group, in ``dcp-volumes --help`` order."""
-    return (lifecycle.register, plan.register, bench.register)
+    return (lifecycle.register, export.register, plan.register, bench.register)

@@ -1,0 +1,101 @@
+"""``dcp-volumes export SRC DEST --to safetensors``: a committed checkpoint to Hugging Face
+safetensors (:func:`dcp_volumes.export.export_safetensors`).
+
+Prints a summary (tensors, bytes, files, MB/s, skipped non-tensor items), or one JSON
+document with ``--json``; a progress bar on a terminal. Imports torch (it reads
+``.metadata``) only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dcp_volumes.cli._exit import EXIT_OK
+from dcp_volumes.cli._format import human_bytes, plural, print_json, progress_bar, redact
+from dcp_volumes.cli._options import key_value, storage_options_for, storage_options_parser
+
+__all__ = ["register"]
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``export`` to ``sub``."""
+    p = sub.add_parser(
+        "export",
+        parents=[common, storage_options_parser()],
+        help="export a checkpoint to Hugging Face safetensors",
+        description=(
+            "Export the committed checkpoint SRC to Hugging Face safetensors at DEST (a URL on\n"
+            "any store, or a local directory): model.safetensors when it fits in\n"
+            "--max-shard-size, else model-0000i-of-0000N.safetensors and\n"
+            "model.safetensors.index.json. Checksums are verified as on load; bytes stream\n"
+            "from store to store with flat memory; the index (or the single file) is written\n"
+            "last, so a partial export never looks complete. Under torchrun, every rank\n"
+            "writes its share of the files."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dcp-volumes export s3://bucket/run-42/step-1000 s3://bucket/hf/run-42 "
+            "--prefix model.\n"
+            "  dcp-volumes export /ckpt/step-100 ./hf --prefix model. --dtype bf16 --json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="committed checkpoint URL (s3://, gs://, az://, dir)")
+    p.add_argument("dest", metavar="DEST", help="destination URL or local directory")
+    p.add_argument("--to", choices=["safetensors"], default="safetensors",
+                   help="output format (default: safetensors)")
+    p.add_argument("--prefix", metavar="PREFIX",
+                   help="keep only keys under PREFIX, stripped (e.g. 'model.')")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast floating tensors to this dtype")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="most tensor bytes per file: 5GB (= 5*10**9, the default), 500MiB, ...")
+    p.add_argument("--dest-option", dest="dest_option", action="append", default=[],
+                   type=key_value, metavar="KEY=VALUE",
+                   help="an fsspec option for DEST only, repeatable (the storage flags apply "
+                   "to DEST too when it is on the same kind of store as SRC)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(handler=_run_export)
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def _dest_options(args: argparse.Namespace) -> dict[str, Any]:
+    if _scheme(args.dest) == _scheme(args.src):
+        opts = storage_options_for(args, args.dest)
+    else:
+        from dcp_volumes.backends import backend_class
+
+        opts = backend_class(args.dest).cli_options(endpoint=None, anon=False, url=args.dest)
+    opts.update(dict(args.dest_option))
+    return opts
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from dcp_volumes.export import export_safetensors
+    from dcp_volumes.export._plan import parse_size
+
+    parse_size(args.max_shard_size)  # a bad size fails before torch is imported
+    with progress_bar("export", enabled=not args.json, unit="bytes") as progress:
+        report = export_safetensors(
+            args.src, args.dest, prefix=args.prefix, dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            storage_options=storage_options_for(args, args.src),
+            dest_storage_options=_dest_options(args), progress=progress)
+    if args.json:
+        print_json({"src": redact(args.src), **report.to_dict()})
+        return EXIT_OK
+    index = f" + {report.index}" if report.index else ""
+    print(f"exported {plural(report.tensors, 'tensor')} ({human_bytes(report.bytes)}) from "
+          f"{redact(args.src)} to {report.dest}: {plural(len(report.files), 'file')}{index}, "
+          f"{report.seconds:.1f}s, {report.mb_per_s:.1f} MB/s, checksums "
+          f"{'verified' if report.verified else 'not available (not written by dcp_volumes)'}")
+    if report.skipped:
+        shown = ", ".join(report.skipped[:5]) + (", ..." if len(report.skipped) > 5 else "")
+        print(f"skipped {plural(len(report.skipped), 'non-tensor item')}: {shown}")
+    if report.not_selected:
+        print(f"left out {plural(report.not_selected, 'item')} outside the prefix or dropped")
+    return EXIT_OK

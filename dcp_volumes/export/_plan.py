@@ -1,0 +1,314 @@
+"""The plan of a safetensors export, from a checkpoint's ``.metadata`` alone (pure, torch-free).
+
+Which stored items become which tensors of which output file, in which order, with every
+file's header computed before any tensor byte moves:
+
+1. keys under ``prefix`` are kept and the prefix stripped; then ``rename(name)`` (``None``
+   drops the tensor); non-tensor items that pass both are reported and skipped;
+2. floating tensors are cast to ``dtype`` when one is asked (others keep theirs);
+3. tensors are sorted by output name and split into files the way Hugging Face does it
+   (``huggingface_hub.split_torch_state_dict_into_shards``): a file takes tensors until the
+   next one would pass ``max_shard_size`` (tensor bytes, headers not counted), and a tensor
+   bigger than the maximum gets a file of its own. One file is ``model.safetensors``; more
+   are ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
+
+:func:`assign_files` splits the files across ranks by bytes; :func:`slabs` cuts a tensor
+into dim-0 row ranges of at most a byte budget, the units a rank fetches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from dcp_volumes import _safetensors, errors
+
+__all__ = ["INDEX", "SINGLE", "ExportPlan", "PlannedFile", "PlannedTensor", "Slab",
+           "SourceItem", "assign_files", "numbered", "output_dtype", "parse_size",
+           "plan_export", "slabs"]
+
+#: the one file of an export that fits in ``max_shard_size``
+SINGLE = "model.safetensors"
+#: the index of a multi-file export: written last, it makes the export complete
+INDEX = "model.safetensors.index.json"
+#: the name of a numbered file of an earlier export (any N)
+NUMBERED_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+#: the dtypes ``--dtype`` casts (other tensors keep their dtype)
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                "float16": "float16", "half": "float16", "fp32": "float32",
+                "float32": "float32", "float": "float32"}
+#: the metadata Hugging Face loaders look for (transformers refuses other formats)
+FILE_METADATA = {"format": "pt"}
+
+
+def numbered(i: int, n: int) -> str:
+    """``model-0000i-of-0000n.safetensors`` (1-based, five digits as Hugging Face writes)."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def parse_size(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or ``"5GB"`` (decimal, as Hugging Face reads it:
+    5 * 10**9), ``"500MiB"`` (binary), ``"100KB"``, plain digits.
+
+    Raises:
+        ConfigError: not a positive size.
+    """
+    if isinstance(size, bool):
+        raise errors.ConfigError(f"max_shard_size must be a size like '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(size), re.IGNORECASE)
+        if m is None:
+            raise errors.ConfigError(
+                f"max_shard_size must be a size like '5GB', '500MiB' or a number of bytes, "
+                f"got {size!r}")
+        number, unit, binary = m.groups()
+        base = 1024 if binary else 1000
+        value = int(float(number) * base ** (" KMGT".index(unit.upper()) if unit else 0))
+    if value <= 0:
+        raise errors.ConfigError(f"max_shard_size must be greater than 0, got {size!r}")
+    return value
+
+
+def output_dtype(dtype: str | None) -> str | None:
+    """The torch dtype name ``--dtype`` asks for (``"bf16"`` → ``"bfloat16"``), or None.
+
+    Raises:
+        ConfigError: not one of bf16, fp16, fp32.
+    """
+    if dtype is None:
+        return None
+    name = _DTYPE_NAMES.get(str(dtype).removeprefix("torch.").lower())
+    if name is None:
+        raise errors.ConfigError(
+            f"dtype must be bf16, fp16 or fp32 (or None to keep each tensor's), got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class SourceItem:
+    """One item of ``.metadata``: a tensor (its dtype name and global shape) or not."""
+
+    fqn: str
+    dtype: str | None  # torch dtype attribute name; None for a non-tensor (bytes) item
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor: where it comes from, its name, dtypes and shape."""
+
+    source: str
+    name: str
+    source_dtype: str
+    dtype: str
+    shape: tuple[int, ...]
+    element_size: int  # of ``dtype``
+    source_element_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.element_size
+
+    @property
+    def source_nbytes(self) -> int:
+        return math.prod(self.shape) * self.source_element_size
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One output file: its tensors in data order and its encoded header."""
+
+    name: str
+    tensors: tuple[PlannedTensor, ...]
+    header: _safetensors.Header
+    header_bytes: bytes
+
+    @property
+    def size(self) -> int:
+        return self.header.file_size
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export writes: the files, the index (multi-file only), what it skips."""
+
+    files: tuple[PlannedFile, ...]
+    skipped: tuple[str, ...]  # non-tensor items that were selected: not exportable
+    not_selected: int  # items outside the prefix, or dropped by rename
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of tensor data (the index's ``metadata.total_size``)."""
+        return sum(t.nbytes for f in self.files for t in f.tensors)
+
+    @property
+    def tensors(self) -> int:
+        return sum(len(f.tensors) for f in self.files)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of every file, headers included."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def single(self) -> bool:
+        return len(self.files) == 1
+
+    def index_bytes(self) -> bytes | None:
+        """``model.safetensors.index.json`` of a multi-file export (None for one file)."""
+        if self.single:
+            return None
+        weight_map = {t.name: f.name for f in self.files for t in f.tensors}
+        doc = {"metadata": {"total_size": self.total_size},
+               "weight_map": dict(sorted(weight_map.items()))}
+        return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def _select(items: Iterable[SourceItem], prefix: str | None,
+            rename: Callable[[str], str | None] | None
+            ) -> tuple[list[tuple[str, SourceItem]], list[str], int]:
+    """(output name, item) of the selected tensors; selected non-tensor fqns; others."""
+    chosen: list[tuple[str, SourceItem]] = []
+    skipped: list[str] = []
+    dropped = 0
+    for item in items:
+        if prefix and not item.fqn.startswith(prefix):
+            dropped += 1
+            continue
+        name: str | None = item.fqn[len(prefix):] if prefix else item.fqn
+        if rename is not None:
+            name = rename(name)  # type: ignore[arg-type]
+            if name is not None and not isinstance(name, str):
+                raise errors.ConfigError(
+                    f"rename({item.fqn!r}) returned {type(name).__name__}: return the new "
+                    "name (a str) or None to drop the tensor")
+        if name is None:
+            dropped += 1
+            continue
+        if item.dtype is None:
+            skipped.append(item.fqn)
+            continue
+        if not name:
+            raise errors.ConfigError(
+                f"item {item.fqn!r} would be exported with an empty name: choose a prefix "
+                "that leaves a name, or rename it")
+        chosen.append((name, item))
+    return chosen, skipped, dropped
+
+
+def _prefixes(items: Sequence[SourceItem]) -> str:
+    firsts = sorted({i.fqn.split(".", 1)[0] + ("." if "." in i.fqn else "")
+                     for i in items if i.dtype is not None})
+    return ", ".join(repr(p) for p in firsts[:10]) or "none (it holds no tensor)"
+
+
+def _planned(name: str, item: SourceItem, dtype: str | None) -> PlannedTensor:
+    assert item.dtype is not None
+    out = dtype if dtype is not None and item.dtype in FLOATING else item.dtype
+    try:
+        code, source_code = _safetensors.code_for(out), _safetensors.code_for(item.dtype)
+    except errors.ConfigError as exc:
+        raise errors.ConfigError(f"tensor {item.fqn!r}: {exc}") from None
+    return PlannedTensor(item.fqn, name, item.dtype, out, tuple(item.shape),
+                         _safetensors.DTYPES[code][1], _safetensors.DTYPES[source_code][1])
+
+
+def _split(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    groups: list[list[PlannedTensor]] = []
+    size = 0
+    for t in tensors:
+        if not groups or (size + t.nbytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups
+
+
+def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
+                rename: Callable[[str], str | None] | None = None, dtype: str | None = None,
+                max_shard_size: int | str = "5GB") -> ExportPlan:
+    """Plan the export of a checkpoint's ``items`` (see the module docstring).
+
+    Raises:
+        ConfigError: no tensor is selected (the message names the prefixes there are), two
+            items map to one name, a tensor's dtype has no safetensors code, a bad option.
+    """
+    max_bytes = parse_size(max_shard_size)
+    out_dtype = output_dtype(dtype)
+    chosen, skipped, dropped = _select(items, prefix, rename)
+    if not chosen:
+        under = f"under prefix {prefix!r}" if prefix else "selected"
+        raise errors.ConfigError(
+            f"no tensor of the checkpoint is {under} (of {len(items)} items; top-level "
+            f"prefixes with tensors: {_prefixes(items)}): pass one of them as prefix "
+            "(--prefix)")
+    seen: dict[str, str] = {}
+    for name, item in chosen:
+        if name in seen:
+            raise errors.ConfigError(
+                f"items {seen[name]!r} and {item.fqn!r} would both be exported as {name!r}: "
+                "change the prefix or the rename function so every name is unique")
+        seen[name] = item.fqn
+    tensors = sorted((_planned(n, i, out_dtype) for n, i in chosen), key=lambda t: t.name)
+    groups = _split(tensors, max_bytes)
+    files = []
+    for i, group in enumerate(groups, start=1):
+        header, encoded = _safetensors.layout(
+            [(t.name, t.dtype, t.shape) for t in group], FILE_METADATA)
+        name = SINGLE if len(groups) == 1 else numbered(i, len(groups))
+        files.append(PlannedFile(name, tuple(group), header, encoded))
+    return ExportPlan(tuple(files), tuple(sorted(skipped)), dropped)
+
+
+def assign_files(files: Sequence[PlannedFile], world: int) -> list[list[int]]:
+    """Which files (indices) each of ``world`` ranks writes: largest first onto the rank
+    with the fewest bytes so far (ties to the lowest rank); each rank's in file order."""
+    loads = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        out[rank].append(i)
+        loads[rank] += files[i].size
+    return [sorted(mine) for mine in out]
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Rows ``[start, stop)`` of dim 0 of a tensor (the whole tensor for 0-d ones)."""
+
+    tensor: PlannedTensor
+    start: int
+    stop: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.tensor.shape
+        return (self.stop - self.start, *shape[1:]) if shape else ()
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return (self.start, *([0] * (len(self.tensor.shape) - 1))) if self.tensor.shape else ()
+
+    @property
+    def source_nbytes(self) -> int:
+        return math.prod(self.shape) * self.tensor.source_element_size
+
+
+def slabs(tensor: PlannedTensor, budget: int, *, sliceable: bool) -> list[Slab]:
+    """``tensor`` in dim-0 row ranges of at most ``budget`` source bytes each (at least one
+    row); the whole tensor when it fits, is 0-d, or is not ``sliceable`` (its stored chunks
+    can only be read whole, so it is assembled once)."""
+    shape = tensor.shape
+    rows = shape[0] if shape else 1
+    if not shape or not sliceable or tensor.source_nbytes <= budget or rows <= 1:
+        return [Slab(tensor, 0, rows)]
+    row_bytes = max(1, tensor.source_nbytes // rows)
+    step = max(1, budget // row_bytes)
+    return [Slab(tensor, r, min(rows, r + step)) for r in range(0, rows, step)]

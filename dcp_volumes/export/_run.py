@@ -1,0 +1,291 @@
+"""``export_safetensors``: a committed checkpoint in any store to Hugging Face safetensors.
+
+Per rank: read ``.metadata`` and the manifest (as a load does), plan (pure:
+:mod:`~dcp_volumes.export._plan`), take this rank's files, and stream each one: its header
+first, then its tensors' bytes in file order, fetched in rounds of row slabs through the
+serve path (:mod:`~dcp_volumes.export._fetch`; the next round is fetched while this one is
+written) into the file's upload (:mod:`~dcp_volumes.export._dest`). Memory stays near two
+rounds (``slab_size`` each, as fetched bytes and as tensors), their casts, and
+``max_concurrency + 1`` upload parts, whatever the size of the model or of a file.
+
+Under ``torch.distributed`` the ranks agree at each step (:func:`dcp_volumes._dist.agree`):
+rank 0 clears DEST once every rank has planned, every rank writes its files, and rank 0
+commits the index once every rank's files are durable; a failure on any rank fails every
+rank with a typed error, and no index is written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dcp_volumes import _dist, errors
+from dcp_volumes._commit import read_committed
+from dcp_volumes._spool import SpoolFile
+from dcp_volumes.backends import open_backend, redact_url
+from dcp_volumes.config import MiB, RetryOptions, TransferOptions
+from dcp_volumes.export._dest import Destination, tensor_bytes
+from dcp_volumes.export._fetch import Source, source_items
+from dcp_volumes.export._plan import INDEX, ExportPlan, PlannedFile, assign_files, plan_export
+
+__all__ = ["ExportReport", "export_safetensors"]
+
+logger = logging.getLogger(__name__)
+
+#: an export's transfer options unless given: 8 requests in flight each way (memory holds
+#: ``max_concurrency + 1`` upload parts; the writer's 16 would double that for little gain)
+DEFAULT_TRANSFER = TransferOptions(max_concurrency=8)
+#: source bytes fetched per round
+DEFAULT_SLAB = 32 * MiB
+#: the longest a rank waits for the others at one step (they may be writing big files)
+PEER_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote (the whole export; ``bytes_fetched``/``bytes_written`` are this
+    rank's).
+
+    Attributes:
+        dest: the destination, credentials redacted.
+        files: every output file, in order (``model.safetensors``, or the numbered files).
+        index: ``model.safetensors.index.json`` for a multi-file export, else None.
+        tensors: tensors exported.
+        bytes: bytes of every file, headers included.
+        total_size: tensor bytes (the index's ``metadata.total_size``).
+        skipped: non-tensor items that were selected, and so left out.
+        not_selected: items outside ``prefix`` or dropped by ``rename``.
+        verified: the source's checksums were checked (False for checkpoints torch wrote).
+        seconds: wall time of the export on this rank.
+        bytes_fetched: bytes this rank fetched from the source.
+        bytes_written: bytes this rank uploaded.
+        rank, world_size: this rank and the number of ranks that exported.
+    """
+
+    dest: str
+    files: tuple[str, ...]
+    index: str | None
+    tensors: int
+    bytes: int
+    total_size: int
+    skipped: tuple[str, ...]
+    not_selected: int
+    verified: bool
+    seconds: float
+    bytes_fetched: int
+    bytes_written: int
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def mb_per_s(self) -> float:
+        """Export throughput, MB (10**6 bytes) of output per second."""
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["files"], doc["skipped"] = list(self.files), list(self.skipped)
+        doc["mb_per_s"] = round(self.mb_per_s, 3)
+        return doc
+
+
+class _Group:
+    """The ranks of one export (one rank without ``torch.distributed``)."""
+
+    def __init__(self, task: str) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world, self.group = 0, 1, None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.group = _dist.cpu_group("gloo" not in str(dist.get_backend()))
+        self.task = task
+
+    def step(self, err: BaseException | None, step: str) -> None:
+        """Every rank reports; if any failed, every rank raises (its own error, or the
+        failing rank's, typed)."""
+        if self.world == 1:
+            if err is not None:
+                raise err
+            return
+        _dist.agree(err, group=self.group, world=self.world, me=self.rank,
+                    timeout_s=PEER_TIMEOUT_S, task=self.task, step=step,
+                    error=errors.UploadError)
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 — reported to every rank by _Group.step
+        return None, exc
+
+
+def _check(transfer: TransferOptions | None, retry: RetryOptions | None, slab_size: int,
+           progress: Any) -> TransferOptions:
+    if transfer is not None and not isinstance(transfer, TransferOptions):
+        raise errors.ConfigError(
+            f"transfer= must be a TransferOptions, got {type(transfer).__name__}")
+    if retry is not None and not isinstance(retry, RetryOptions):
+        raise errors.ConfigError(f"retry= must be a RetryOptions, got {type(retry).__name__}")
+    if isinstance(slab_size, bool) or not isinstance(slab_size, int) or slab_size < MiB:
+        raise errors.ConfigError(f"slab_size must be an int of at least 1 MiB, got {slab_size!r}")
+    if progress is not None and not callable(progress):
+        raise errors.ConfigError("progress= must be a callable progress(done, total) or None")
+    return transfer or DEFAULT_TRANSFER
+
+
+def export_safetensors(
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    prefix: str | None = None,
+    rename: Callable[[str], str | None] | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None,
+    transfer: TransferOptions | None = None,
+    retry: RetryOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    slab_size: int = DEFAULT_SLAB,
+) -> ExportReport:
+    """Export the committed checkpoint at ``src`` to Hugging Face safetensors at ``dest``.
+
+    Under ``torch.distributed`` (torchrun) every rank must call it: the output files are
+    split across the ranks by bytes, each fetching only what its files need.
+
+    Args:
+        src: a committed checkpoint URL on any backend (checksums verified as on load).
+        dest: a URL on any backend, or a local directory. An earlier export there is
+            replaced: its index (or ``model.safetensors``) is removed before anything is
+            written, and the new one appears only when every file is durable.
+        prefix: keep only keys under it, stripped (``"model."`` for ``{"model": ...,
+            "optim": ...}`` state dicts).
+        rename: ``rename(name) -> new name | None`` after the prefix is stripped; None drops
+            the tensor.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: cast floating tensors to it.
+        max_shard_size: the most tensor bytes per file (``"5GB"`` = 5 * 10**9, Hugging
+            Face's default); a bigger tensor gets a file of its own.
+        storage_options: fsspec options of ``src``; ``dest_storage_options`` those of
+            ``dest`` (default: the same as ``src``'s). Never logged.
+        transfer: concurrency and part sizes of downloads and uploads (default:
+            ``TransferOptions(max_concurrency=8)``; memory holds ``max_concurrency + 1``
+            upload parts of ``part_size``).
+        retry: retries of transient errors, both sides.
+        progress: ``progress(done, total)``, bytes of this rank's files handed to the upload.
+        slab_size: source bytes fetched per round (a tensor is fetched in dim-0 row slabs of
+            at most this, when its stored chunks allow partial reads).
+
+    Returns:
+        An :class:`ExportReport`.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError: as a load of ``src`` would.
+        IntegrityError: stored bytes do not match their checksums (nothing is committed).
+        ConfigError: no tensor is selected, two names collide, an unsupported dtype, a bad
+            option.
+        UploadError, DownloadError: the stores failed after retries, or another rank did.
+    """
+    job = _Job(src=src, dest=dest, prefix=prefix, rename=rename, dtype=dtype,
+               max_shard_size=max_shard_size, storage_options=storage_options,
+               dest_storage_options=(dest_storage_options if dest_storage_options is not None
+                                     else storage_options),
+               transfer=_check(transfer, retry, slab_size, progress), retry=retry,
+               progress=progress, slab_size=slab_size)
+    return job.run()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """One rank's part of an export: the arguments of :func:`export_safetensors`."""
+
+    src: str | os.PathLike[str]
+    dest: str | os.PathLike[str]
+    prefix: str | None
+    rename: Callable[[str], str | None] | None
+    dtype: str | None
+    max_shard_size: int | str
+    storage_options: dict[str, Any] | None
+    dest_storage_options: dict[str, Any] | None
+    transfer: TransferOptions
+    retry: RetryOptions | None
+    progress: Callable[[int, int], None] | None
+    slab_size: int
+
+    def _open(self) -> tuple[Source, ExportPlan, Destination]:
+        backend = open_backend(self.src, self.storage_options, self.retry)
+        committed = read_committed(backend, with_manifest=True)
+        source = Source(backend, committed.metadata, committed.manifest,
+                        redact_url(os.fspath(self.src)), self.transfer)
+        plan = plan_export(source_items(committed.metadata), prefix=self.prefix,
+                           rename=self.rename, dtype=self.dtype,
+                           max_shard_size=self.max_shard_size)
+        out = Destination(open_backend(self.dest, self.dest_storage_options, self.retry),
+                          self.transfer)
+        out.check()
+        return source, plan, out
+
+    def run(self) -> ExportReport:
+        start = time.monotonic()
+        src_url, dest_url = redact_url(os.fspath(self.src)), redact_url(os.fspath(self.dest))
+        group = _Group(f"exporting {src_url} to {dest_url}")
+        opened, err = _attempt(self._open)
+        group.step(err, "reading the checkpoint")
+        source, plan, out = opened
+        if group.rank == 0:
+            _, err = _attempt(lambda: out.clear(plan))
+        group.step(err, "clearing the destination")
+        mine = [plan.files[i] for i in assign_files(plan.files, group.world)[group.rank]]
+        _, err = _attempt(lambda: _write(source, out, mine, self.slab_size, self.progress))
+        group.step(err, "writing files")
+        if group.rank == 0:
+            _, err = _attempt(lambda: out.commit_index(plan))
+        group.step(err, "committing the index")
+        report = ExportReport(
+            dest=dest_url, files=tuple(f.name for f in plan.files),
+            index=None if plan.single else INDEX, tensors=plan.tensors, bytes=plan.file_bytes,
+            total_size=plan.total_size, skipped=plan.skipped, not_selected=plan.not_selected,
+            verified=source.manifest is not None, seconds=time.monotonic() - start,
+            bytes_fetched=source.bytes_fetched, bytes_written=out.bytes_written,
+            rank=group.rank, world_size=group.world)
+        logger.info("rank %d exported %d tensors in %d files (%d bytes; this rank wrote %d "
+                    "in %d files) from %s to %s: %.2fs, %.1f MB/s, %d non-tensor items "
+                    "skipped", group.rank, report.tensors, len(report.files), report.bytes,
+                    report.bytes_written, len(mine), src_url, dest_url, report.seconds,
+                    report.mb_per_s, len(report.skipped))
+        return report
+
+
+def _write(source: Source, out: Destination, files: list[PlannedFile], slab_size: int,
+           progress: Callable[[int, int], None] | None) -> None:
+    total = sum(f.size for f in files)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcpv-export") as pool:
+
+        def feed(pf: PlannedFile, spool: SpoolFile) -> Iterator[int]:
+            spool.write(pf.header_bytes)
+            yield spool.tell()
+            rounds = source.rounds(pf.tensors, slab_size)
+            ahead = pool.submit(source.fetch, rounds[0]) if rounds else None
+            for i, rnd in enumerate(rounds):
+                assert ahead is not None
+                tensors = ahead.result()
+                # the next round downloads while this one goes into the upload
+                ahead = pool.submit(source.fetch, rounds[i + 1]) if i + 1 < len(rounds) \
+                    else None
+                for slab, tensor in zip(rnd.slabs, tensors):
+                    spool.write(tensor_bytes(tensor, slab.tensor.dtype))
+                del tensors
+                yield spool.tell()
+            if spool.tell() != pf.size:
+                raise errors.UploadError(
+                    f"internal error: {pf.name} came to {spool.tell()} bytes, its header "
+                    f"says {pf.size}")
+
+        out.write(files, feed, None if progress is None else lambda n: progress(n, total))
+    if progress is not None:
+        progress(total, total)
