@@ -91,7 +91,7 @@ def _rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from dcp_volumes.safetensors_reader import SafetensorsReader
+    from dcp_volumes.export import SafetensorsReader
 
     state = _sharded(world, spec)
     needed = sum(v.to_local().nbytes for v in state.values())
@@ -155,8 +155,8 @@ def _write(spec: dict[str, Any], local: str) -> int:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    out = ["| ranks | route | time s (median, min–max) | fetched ÷ needed per rank "
-           "(max over ranks) | MiB from the store (all ranks) |",
+    out = [("| ranks | route | time s (median, min–max) | fetched ÷ needed per rank "
+            "(max over ranks) | MiB from the store (all ranks) |"),
            "|---|---|---|---|---|"]
     for world in sorted({r["world"] for r in rows}):
         for route in ("reader", "download"):

@@ -21,9 +21,8 @@ if TYPE_CHECKING:
     from dcp_volumes._staging import release_staging_buffers
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
-    from dcp_volumes.export import ExportReport, export_safetensors
+    from dcp_volumes.export import ExportReport, SafetensorsReader, export_safetensors
     from dcp_volumes.reader import VolumeReader
-    from dcp_volumes.safetensors_reader import SafetensorsReader
     from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
 
@@ -50,7 +49,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "VolumeWriter": "dcp_volumes.writer",
     "VolumeReader": "dcp_volumes.reader",
-    "SafetensorsReader": "dcp_volumes.safetensors_reader",
+    "SafetensorsReader": "dcp_volumes.export",
     "Checkpointer": "dcp_volumes.checkpointer",
     "SpoolOptions": "dcp_volumes.config",
     "LocalTierOptions": "dcp_volumes.config",

@@ -24,7 +24,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from dcp_volumes import _safetensors, errors
+from dcp_volumes import errors
+from dcp_volumes.export import _format
 
 __all__ = ["INDEX", "SINGLE", "ExportPlan", "PlannedFile", "PlannedTensor", "Slab",
            "SourceItem", "assign_files", "numbered", "output_dtype", "parse_size",
@@ -126,7 +127,7 @@ class PlannedFile:
 
     name: str
     tensors: tuple[PlannedTensor, ...]
-    header: _safetensors.Header
+    header: _format.Header
     header_bytes: bytes
 
     @property
@@ -212,11 +213,11 @@ def _planned(name: str, item: SourceItem, dtype: str | None) -> PlannedTensor:
     assert item.dtype is not None
     out = dtype if dtype is not None and item.dtype in FLOATING else item.dtype
     try:
-        code, source_code = _safetensors.code_for(out), _safetensors.code_for(item.dtype)
+        code, source_code = _format.code_for(out), _format.code_for(item.dtype)
     except errors.ConfigError as exc:
         raise errors.ConfigError(f"tensor {item.fqn!r}: {exc}") from None
     return PlannedTensor(item.fqn, name, item.dtype, out, tuple(item.shape),
-                         _safetensors.DTYPES[code][1], _safetensors.DTYPES[source_code][1])
+                         _format.DTYPES[code][1], _format.DTYPES[source_code][1])
 
 
 def _split(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
@@ -260,7 +261,7 @@ def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
     groups = _split(tensors, max_bytes)
     files = []
     for i, group in enumerate(groups, start=1):
-        header, encoded = _safetensors.layout(
+        header, encoded = _format.layout(
             [(t.name, t.dtype, t.shape) for t in group], FILE_METADATA)
         name = SINGLE if len(groups) == 1 else numbered(i, len(groups))
         files.append(PlannedFile(name, tuple(group), header, encoded))

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from dcp_volumes import errors
 from dcp_volumes._api import typed_errors
-from dcp_volumes.safetensors_reader import SafetensorsReader
+from dcp_volumes.export import SafetensorsReader
 from dcp_volumes.testing.dist import run_ranks
 
 pytestmark = pytest.mark.xdist_group("streader")

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from dcp_volumes import _safetensors, errors
+from dcp_volumes import errors
+from dcp_volumes.export import _format
 from dcp_volumes.export._plan import (
     INDEX,
     SINGLE,
@@ -30,8 +31,8 @@ ITEMS = [
 ]
 
 
-def _parsed(f) -> _safetensors.Header:
-    return _safetensors.parse_header(f.header_bytes[8:], f.size, f.name)
+def _parsed(f) -> _format.Header:
+    return _format.parse_header(f.header_bytes[8:], f.size, f.name)
 
 
 def test_one_file_when_it_fits_sorted_prefix_stripped_and_cast() -> None:

@@ -1,8 +1,8 @@
 """Crafted safetensors headers and indexes: typed errors, and no large read or allocation.
 
-Each header goes through ``_safetensors.read_header`` with a ``fetch`` that counts the bytes
+Each header goes through ``_format.read_header`` with a ``fetch`` that counts the bytes
 it was asked for, so "no large read" is measured, not assumed. Indexes and whole files go
-through :class:`~dcp_volumes.safetensors_reader.SafetensorsReader` on ``memory://``, written
+through :class:`~dcp_volumes.export.SafetensorsReader` on ``memory://``, written
 behind the reader's back with a raw fsspec filesystem.
 """
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from dcp_volumes import _safetensors, errors
-from dcp_volumes.safetensors_reader import SafetensorsReader
+from dcp_volumes import errors
+from dcp_volumes.export import SafetensorsReader, _format
 
 pytestmark = pytest.mark.xdist_group("streader")
 
@@ -31,7 +31,7 @@ def _file(doc: Any, data_len: int = 24, *, length: int | None = None) -> bytes:
     return struct.pack("<Q", len(body) if length is None else length) + body + b"\0" * data_len
 
 
-def _read(blob: bytes) -> tuple[Exception | _safetensors.Header, int]:
+def _read(blob: bytes) -> tuple[Exception | _format.Header, int]:
     asked = [0]
 
     def fetch(start: int, end: int) -> bytes:
@@ -39,7 +39,7 @@ def _read(blob: bytes) -> tuple[Exception | _safetensors.Header, int]:
         return blob[start:end]
 
     try:
-        return _safetensors.read_header(fetch, len(blob), "t.safetensors"), asked[0]
+        return _format.read_header(fetch, len(blob), "t.safetensors"), asked[0]
     except errors.DCPVolumesError as exc:
         return exc, asked[0]
 
@@ -80,7 +80,7 @@ def test_crafted_header_is_integrity_error_without_a_large_read(name: str) -> No
 def test_a_good_header_parses() -> None:
     blob = save({"w": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)})
     got, asked = _read(blob)
-    assert isinstance(got, _safetensors.Header)
+    assert isinstance(got, _format.Header)
     assert {e.name: (e.torch_dtype, e.shape) for e in got.entries} == {
         "w": ("float32", (2, 3)), "b": ("bfloat16", (4,))}
     assert asked == got.data_start

@@ -1,4 +1,4 @@
-"""The safetensors header export writes (``dcp_volumes._safetensors.layout``) is read back by
+"""The safetensors header export writes (``dcp_volumes._format.layout``) is read back by
 the ``safetensors`` library itself, and parsed back by our own untrusted-header parser."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from dcp_volumes import _safetensors, errors
+from dcp_volumes import errors
+from dcp_volumes.export import _format
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -22,8 +23,8 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _file(ts: dict[str, torch.Tensor]) -> tuple[_safetensors.Header, bytes]:
-    header, encoded = _safetensors.layout(
+def _file(ts: dict[str, torch.Tensor]) -> tuple[_format.Header, bytes]:
+    header, encoded = _format.layout(
         [(k, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in ts.items()],
         {"format": "pt"})
     data = b"".join(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -40,14 +41,14 @@ def test_layout_is_read_back_by_the_safetensors_library() -> None:
     for name, tensor in ts.items():
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
     # our parser agrees with what we laid out, in data order
-    parsed = _safetensors.read_header(lambda a, b: blob[a:b], len(blob), "model.safetensors")
+    parsed = _format.read_header(lambda a, b: blob[a:b], len(blob), "model.safetensors")
     assert parsed.entries == header.entries and parsed.metadata == {"format": "pt"}
 
 
 def test_library_written_file_parses_with_the_same_offsets() -> None:
     ts = _tensors()
     blob = save(ts, metadata={"format": "pt"})
-    parsed = _safetensors.read_header(lambda a, b: blob[a:b], len(blob), "x.safetensors")
+    parsed = _format.read_header(lambda a, b: blob[a:b], len(blob), "x.safetensors")
     assert {e.name for e in parsed.entries} == set(ts)
     for e in parsed.entries:
         raw = bytearray(blob[parsed.data_start + e.begin:parsed.data_start + e.end])
@@ -59,14 +60,14 @@ def test_library_written_file_parses_with_the_same_offsets() -> None:
 
 def test_a_dtype_safetensors_cannot_store_is_a_config_error() -> None:
     with pytest.raises(errors.ConfigError, match="complex128"):
-        _safetensors.layout([("z", "complex128", (2,))])
-    assert _safetensors.code_for("torch.bfloat16") == "BF16"
+        _format.layout([("z", "complex128", (2,))])
+    assert _format.code_for("torch.bfloat16") == "BF16"
 
 
 def test_a_header_with_too_many_tensors_is_refused_before_it_is_parsed(monkeypatch) -> None:
-    monkeypatch.setattr(_safetensors, "MAX_ENTRIES", 10)
-    _, encoded = _safetensors.layout([(f"t{i}", "uint8", (0,)) for i in range(11)])
+    monkeypatch.setattr(_format, "MAX_ENTRIES", 10)
+    _, encoded = _format.layout([(f"t{i}", "uint8", (0,)) for i in range(11)])
     with pytest.raises(errors.IntegrityError, match="11 tensors, more than 10"):
-        _safetensors.read_header(lambda a, b: encoded[a:b], len(encoded), "many.safetensors")
-    _, encoded = _safetensors.layout([(f"t{i}", "uint8", (0,)) for i in range(10)])
-    assert len(_safetensors.read_header(lambda a, b: encoded[a:b], len(encoded), "x").entries) == 10
+        _format.read_header(lambda a, b: encoded[a:b], len(encoded), "many.safetensors")
+    _, encoded = _format.layout([(f"t{i}", "uint8", (0,)) for i in range(10)])
+    assert len(_format.read_header(lambda a, b: encoded[a:b], len(encoded), "x").entries) == 10

@@ -17,7 +17,7 @@ Everything read from storage is untrusted (``DESIGN.md``, "Trust boundary"): the
 size-capped and names only plain ``*.safetensors`` files in the same directory; each header
 is checked against its object's real size (one size lookup per file) before its JSON is
 fetched, and every entry's dtype, shape and offsets before any tensor byte is
-(:mod:`dcp_volumes._safetensors`).
+(:mod:`dcp_volumes.export._format`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_volumes import _layout, _safetensors, errors
+from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
 from dcp_volumes.backends import Backend, redact_url
 from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.export import _format
 from dcp_volumes.reader import VolumeReader
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "SafetensorsReader"]
@@ -165,7 +166,7 @@ class SafetensorsReader(VolumeReader):
                 raise errors.IntegrityError(
                     f"{relative} of {url} is missing, but {INDEX_NAME} names it: upload it "
                     "again, or fix the index")
-            header = _safetensors.read_header(_fetcher(backend, relative), size,
+            header = _format.read_header(_fetcher(backend, relative), size,
                                               f"{relative} of {url}")
             entry_of = {e.name: e for e in header.entries}
             if wanted is not None:
@@ -272,7 +273,7 @@ def _read_index(backend: Backend, index: str, size: int, url: str
     return {f: frozenset(names) for f, names in sorted(files.items())}
 
 
-def _tensor(e: _safetensors.TensorEntry, relative: str, data_start: int, what: str
+def _tensor(e: _format.TensorEntry, relative: str, data_start: int, what: str
             ) -> tuple[TensorStorageMetadata, _Stored]:
     dtype = getattr(torch, e.torch_dtype, None)
     if not isinstance(dtype, torch.dtype):
