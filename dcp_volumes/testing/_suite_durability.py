@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_volumes import (
     SpoolOptions,
@@ -25,7 +26,6 @@ from dcp_volumes.testing._suite_support import (
     SMALL_PARTS,
     MiB,
     RankBudget,
-    SlowPlanner,
     Store,
     SuiteBase,
     load_with,
@@ -107,32 +107,44 @@ class DurabilityTests(SuiteBase):
         fs, root = store.raw_fs, store.raw_path(url)
         state = {f"t{i}": torch.randn(50_000) for i in range(8)}
         observations: list[tuple[bool, bool]] = []  # (metadata seen, all shards complete)
-        stop = threading.Event()
+        observed = threading.Condition()
 
         def poll() -> None:
-            while not stop.is_set():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
                 fs.invalidate_cache()
                 seen = fs.exists(f"{root}/.metadata")
-                complete = False
-                if seen:
-                    complete = shards_complete(fs, root)
-                observations.append((seen, complete))
+                complete = shards_complete(fs, root) if seen else False
+                with observed:
+                    observations.append((seen, complete))
+                    observed.notify_all()
                 if seen:
                     return
                 time.sleep(0.02)
 
+        class _Gated(DefaultSavePlanner):
+            """Resolves item k only once the poller has looked k + 1 times: the save is
+            observed in progress however slow the store or the machine is."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.resolved = 0
+
+            def resolve_data(self, write_item: Any) -> Any:
+                with observed:
+                    observed.wait_for(lambda: len(observations) > self.resolved, timeout=60)
+                self.resolved += 1
+                return super().resolve_data(write_item)
+
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        try:
-            save_with(state, url, store, planner=SlowPlanner(0.15))
-        finally:
-            time.sleep(0.5)
-            stop.set()
-            poller.join(30)
+        save_with(state, url, store, planner=_Gated())
+        poller.join(120)  # the poller returns once it sees .metadata
         before = [o for o in observations if not o[0]]
         after = [o for o in observations if o[0]]
-        assert len(before) >= 5, "the poller did not observe the save in progress"
-        assert after and all(complete for _, complete in after)
+        assert len(before) >= len(state), "the poller did not observe the save in progress"
+        assert after, "the poller never saw the committed .metadata"
+        assert all(complete for _, complete in after)
 
     # ---- 5. killed mid-upload ----------------------------------------------------------
     def test_killed_mid_save_leaves_no_metadata(self, store: Store, tmp_path: Any) -> None:
