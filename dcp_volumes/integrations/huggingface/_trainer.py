@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from transformers import Trainer
@@ -210,17 +210,23 @@ class VolumeTrainer(Trainer):
         key = rng_key(self.args.process_index)
         state: dict[str, Any] = {"trainer_state": "", "rng": {key: capture_rng()}}
         planner = OptionalKeysPlanner(optional=("rng.",))
-        self._load(state, url, planner)
+        # a few KiB: every rank reads its own (a cooperative plan's collectives cost more)
+        self._load(state, url, planner, cooperative=False)
         with open(os.path.join(local, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(state["trainer_state"])
         logger.info("resuming from %s", redact_url(url))
         return _Resume(url=url, local=local,
                        rng=None if planner.missing else state["rng"][key])
 
-    def _load(self, state: dict[str, Any], url: str, planner: Any = None) -> None:
+    def _load(self, state: dict[str, Any], url: str, planner: Any = None,
+              cooperative: bool | Literal["auto"] = "auto") -> None:
+        """One ``dcp.load`` of ``url`` with the Checkpointer's reading options (transfer,
+        retry, local tier, allowed globals), as its own ``load_latest`` reads."""
+        c = self.checkpointer
         _api.load(state, url, storage_options=self._storage_options, planner=planner,
-                  process_group=self._group,
-                  safe_globals=self._volume_options.get("safe_globals", ()))
+                  process_group=self._group, safe_globals=c.safe_globals,
+                  transfer=c.transfer, retry=c.retry, local_tier=c.local_tier,
+                  cooperative=cooperative)
 
     def _ours(self, checkpoint: str | None) -> bool:
         return self._resume is not None and checkpoint == self._resume.local
