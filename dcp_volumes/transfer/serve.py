@@ -24,7 +24,7 @@ from typing import Any
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, CallStats
-from dcp_volumes.transfer.download import RangeRequest, check_extents, fetch_ranges
+from dcp_volumes.transfer.download import RangeRequest, check_extents, fanout_chunk, fetch_ranges
 from dcp_volumes.transfer.readplan import check_need, describe
 
 __all__ = ["Served", "check_store", "missing_object", "serve_local", "serve_store",
@@ -110,7 +110,8 @@ def serve_store(
     total = sum(r.end - r.start for r in ranges)
     fetched = 0
     for rng, payload in fetch_ranges(
-            backend, ranges, max_concurrency=max_concurrency, chunk_size=chunk_size,
+            backend, ranges, max_concurrency=max_concurrency,
+            chunk_size=fanout_chunk(total, max_concurrency, chunk_size),
             stats=stats,
             on_missing=on_missing or (lambda rng, _exc: missing_object(url, rng))):
         if stop is not None and stop.is_set():

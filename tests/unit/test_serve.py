@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from dcp_volumes import errors
 from dcp_volumes._manifest import ItemEntry
 from dcp_volumes.backends import CallStats, open_backend
-from dcp_volumes.transfer.download import RangeRequest
+from dcp_volumes.transfer.download import RangeRequest, fanout_chunk
 from dcp_volumes.transfer.readplan import Need, plan_ranges
 from dcp_volumes.transfer.serve import (
     check_store,
@@ -122,3 +122,21 @@ def test_store_serve_checks_sizes_then_fetches_checks_and_applies(tmp_path: Path
     with pytest.raises(errors.IntegrityError, match="b.distcp of u is missing"):
         check_store(backend, [RangeRequest("b.distcp", 0, 10, [_need(0, 10, rel="b.distcp")])],
                     "u")
+
+
+def test_a_few_parts_worth_is_spread_over_the_allowed_connections(tmp_path: Path) -> None:
+    # 12 MiB in one range, 16 MiB GETs allowed, 6 at a time: 6 GETs of 2 MiB, not 1 of 12
+    blob = bytes(range(256)) * (12 * 4096)
+    (tmp_path / "big.distcp").write_bytes(blob)
+    backend = open_backend(str(tmp_path), None)
+    need = Need("big.distcp", 0, len(blob), 0, len(blob), [], None, None, len(blob))
+    ranges = plan_ranges([need], gap=0, max_size=64 << 20)
+    stats = CallStats()
+    got: list[bytes] = []
+    serve_store(backend, ranges, url="u", apply=lambda s, c: got.append(bytes(c)),
+                max_concurrency=6, chunk_size=16 << 20, stats=stats)
+    assert got == [blob] and stats.requests == 6
+    assert fanout_chunk(12 << 20, 6, 16 << 20) == 2 << 20
+    assert fanout_chunk(100 << 20, 4, 16 << 20) == 16 << 20  # never above chunk_size
+    assert fanout_chunk(1 << 20, 16, 16 << 20) == 2 << 20  # never below MIN_SPLIT_GET
+    assert fanout_chunk(1 << 20, 16, 1 << 20) == 1 << 20
