@@ -189,7 +189,35 @@ def _broadcast_str(value: Any, broadcast: Callable[[Any], Any]) -> str:
     return os.fspath(broadcast(os.fspath(value)))
 
 
-class VolumeModelParallelStrategy(_TrainerModelParallel):
+#: ``ModelParallelStrategy``'s own arguments, passed through by the strategies below
+_STRATEGY_ARGS = ("data_parallel_size", "tensor_parallel_size", "process_group_backend",
+                  "timeout")
+
+
+def _strategy_args(options: dict[str, Any]) -> dict[str, Any]:
+    """Take ``ModelParallelStrategy``'s own arguments out of ``options``."""
+    if "save_distributed_checkpoint" in options:
+        raise errors.ConfigError("save_distributed_checkpoint is always True here")
+    return {k: options.pop(k) for k in list(options) if k in _STRATEGY_ARGS}
+
+
+class _Located:
+    """Where a strategy's checkpoints are: ``url_for(step)`` and ``resume_path()``."""
+
+    volumes: _Volumes
+
+    def url_for(self, step: int) -> str:
+        """The URL checkpoint ``step`` is saved to (Trainer: ``global_step``; Fabric: the
+        path to pass to ``fabric.save``)."""
+        return self.volumes.url_for(step)
+
+    def resume_path(self) -> str | None:
+        """The newest complete checkpoint under ``root`` (one listing on rank 0, broadcast
+        once a process group exists), for ``ckpt_path=`` / ``fabric.load``."""
+        return self.volumes.resume_path()
+
+
+class VolumeModelParallelStrategy(_Located, _TrainerModelParallel):
     """``lightning.pytorch.strategies.ModelParallelStrategy`` whose sharded checkpoints go to
     ``root`` through dcp_volumes.
 
@@ -211,21 +239,9 @@ class VolumeModelParallelStrategy(_TrainerModelParallel):
                  storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, overwrite: bool = False,
                  **options: Any) -> None:
-        own = {k: options.pop(k) for k in list(options) if k in (
-            "data_parallel_size", "tensor_parallel_size", "process_group_backend", "timeout")}
-        if "save_distributed_checkpoint" in options:
-            raise errors.ConfigError("save_distributed_checkpoint is always True here")
-        super().__init__(**own)
+        super().__init__(**_strategy_args(options))
         self.volumes = _Volumes(root, storage_options,
                                 _options(keep_last, keep_every, overwrite, options))
-
-    def url_for(self, step: int) -> str:
-        """The URL checkpoint ``step`` (``global_step``) is saved to."""
-        return self.volumes.url_for(step)
-
-    def resume_path(self) -> str | None:
-        """The newest complete checkpoint under ``root`` (one listing), for ``ckpt_path=``."""
-        return self.volumes.resume_path()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any | None = None) -> None:
@@ -263,7 +279,7 @@ class VolumeModelParallelStrategy(_TrainerModelParallel):
         super().teardown()
 
 
-class VolumeFabricModelParallelStrategy(_FabricModelParallel):
+class VolumeFabricModelParallelStrategy(_Located, _FabricModelParallel):
     """``lightning.fabric.strategies.ModelParallelStrategy`` whose checkpoints go to ``root``
     through dcp_volumes: ``fabric.save(strategy.url_for(step), state)`` and
     ``fabric.load(strategy.resume_path(), state)``. ``parallelize_fn`` as Lightning's; the
@@ -274,21 +290,9 @@ class VolumeFabricModelParallelStrategy(_FabricModelParallel):
                  storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, overwrite: bool = False,
                  **options: Any) -> None:
-        own = {k: options.pop(k) for k in list(options) if k in (
-            "data_parallel_size", "tensor_parallel_size", "process_group_backend", "timeout")}
-        if "save_distributed_checkpoint" in options:
-            raise errors.ConfigError("save_distributed_checkpoint is always True here")
-        super().__init__(parallelize_fn, **own)
+        super().__init__(parallelize_fn, **_strategy_args(options))
         self.volumes = _Volumes(root, storage_options,
                                 _options(keep_last, keep_every, overwrite, options))
-
-    def url_for(self, step: int) -> str:
-        """The URL to pass to ``fabric.save`` for checkpoint ``step``."""
-        return self.volumes.url_for(step)
-
-    def resume_path(self) -> str | None:
-        """The newest complete checkpoint under ``root`` (one listing on rank 0, broadcast)."""
-        return self.volumes.resume_path()
 
     def _step_of(self, path: Any) -> int:
         url = os.fspath(path).rstrip("/")
