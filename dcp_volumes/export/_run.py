@@ -37,9 +37,10 @@ __all__ = ["ExportReport", "export_safetensors"]
 
 logger = logging.getLogger(__name__)
 
-#: an export's transfer options unless given: 8 requests in flight each way (memory holds
-#: ``max_concurrency + 1`` upload parts; the writer's 16 would double that for little gain)
-DEFAULT_TRANSFER = TransferOptions(max_concurrency=8)
+#: an export's transfer options unless given: 8 requests in flight each way, 8 MiB parts
+#: (memory holds ``max_concurrency + 1`` upload parts: 72 MiB; the writer's 16 × 16 MiB would
+#: hold 272 MiB for little gain; 8 MiB parts allow 78 GiB per file, far above HF's 5 GB)
+DEFAULT_TRANSFER = TransferOptions(max_concurrency=8, part_size=8 * MiB)
 #: source bytes fetched per round
 DEFAULT_SLAB = 32 * MiB
 #: the longest a rank waits for the others at one step (they may be writing big files)
@@ -174,8 +175,8 @@ def export_safetensors(
         storage_options: fsspec options of ``src``; ``dest_storage_options`` those of
             ``dest`` (default: the same as ``src``'s). Never logged.
         transfer: concurrency and part sizes of downloads and uploads (default:
-            ``TransferOptions(max_concurrency=8)``; memory holds ``max_concurrency + 1``
-            upload parts of ``part_size``).
+            ``TransferOptions(max_concurrency=8, part_size=8 * MiB)``; memory holds
+            ``max_concurrency + 1`` upload parts of ``part_size``).
         retry: retries of transient errors, both sides.
         progress: ``progress(done, total)``, bytes of this rank's files handed to the upload.
         slab_size: source bytes fetched per round (a tensor is fetched in dim-0 row slabs of
