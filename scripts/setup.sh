@@ -34,11 +34,12 @@ else
         -e ".[all,test,bench,integrations]"
     # torchtitan without its dependencies: it pins datasets<4.8, which needs an fsspec older
     # than s3fs/gcsfs here, and its trainer-only ones (datasets, wandb, tensorboard) are not
-    # on the checkpoint path the integration and its tests use; these are.
-    "${VENV}/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
-        --no-deps "torchtitan==0.3.0"
+    # on the checkpoint path the integration and its tests use; these are (installed first,
+    # so pip has no missing dependency of torchtitan's to complain about).
     "${VENV}/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
         tyro einops spmd_types torchdata
+    "${VENV}/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
+        --no-deps "torchtitan==0.3.0"
     echo "${want}" > "${STAMP}"
     echo "setup: installed dcp_volumes and its extras into .venv"
 fi
