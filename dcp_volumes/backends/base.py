@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import fsspec
@@ -101,8 +101,8 @@ class Backend:
     sends_part_checksums: ClassVar[bool] = False
     has_directories: ClassVar[bool] = False
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None,
-                 retry: RetryOptions) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None,
+                 retry: RetryOptions, *, pacing: bool = True) -> None:
         self.url = url.rstrip("/") if url not in ("/",) else url
         self.scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
         self.retry = retry
@@ -137,9 +137,9 @@ class Backend:
             "endpoint_url") or opts.get("account_name") or ""
         #: (scheme, endpoint, bucket): what one :class:`StoreThrottle` is shared over
         self.store_key: tuple[str, ...] = (self.scheme, str(endpoint), self.bucket)
-        #: this process's pacing for the store; ``None`` turns the reaction to throttling
-        #: off (retries only: ``TransferOptions(throttle_backoff=False)``)
-        self.throttle: StoreThrottle | None = store_throttle(self.store_key)
+        #: this process's pacing for the store; ``None`` (``pacing=False``): no reaction to
+        #: throttling but retries (``TransferOptions(throttle_backoff=False)``)
+        self.throttle: StoreThrottle | None = store_throttle(self.store_key) if pacing else None
 
     # ---- configuration hooks -----------------------------------------------------------
     @classmethod

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dcp_volumes import _layout, errors
-from dcp_volumes.backends import Backend, open_backend
+from dcp_volumes.backends import Backend, StoreLocation
 from dcp_volumes.config import RetryOptions
 
 __all__ = [
@@ -29,11 +29,10 @@ TORCH_SHARD_RE = re.compile(r"^__\d+_\d+\.distcp$")
 TMP_RE = re.compile(r"^\.metadata(?:\..+)?\.tmp$")
 
 
-def open_root(url: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Backend:
-    """The backend of a run root or checkpoint URL, with the default retry policy."""
-    if storage_options is not None and not isinstance(storage_options, dict):
-        raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
-    return open_backend(os.fspath(url), storage_options, RetryOptions())
+def open_root(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Backend:
+    """The backend of a run root or checkpoint URL (both checked once, as every location is:
+    :class:`~dcp_volumes.backends.StoreLocation`), with the default retry policy."""
+    return StoreLocation.parse(url, storage_options).open(RetryOptions())
 
 
 def compile_step_pattern(step_pattern: str | re.Pattern[str] | None) -> re.Pattern[str]:

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import _compat, catalog, errors
 from dcp_volumes._api import typed_errors
-from dcp_volumes.backends import parse_url, redact_url
+from dcp_volumes.backends import StoreLocation, redact_url
 from dcp_volumes.checkpointer._background import Pending, watch
 from dcp_volumes.checkpointer._policy import (
     Marks,
@@ -136,11 +136,8 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         url = os.fspath(root)
-        parse_url(url)
+        self.storage_options = StoreLocation.parse(url, storage_options).options
         self.root = url.rstrip("/") if url.rstrip("/") else url
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
-        self.storage_options = dict(storage_options or {})
         self.policy = SavePolicy(every_steps, every_seconds, local_every_steps,
                                  local_every_seconds, drain, clock)
         self.policy.check_with(local_tier=local_tier is not None, async_save=bool(async_save))

@@ -8,7 +8,7 @@ answer every rank computes, out); :func:`newest_local_only` runs its collectives
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +76,7 @@ def choose_local_only(gathered: list[Any], step_of: Callable[[str], int | None],
     return LocalChoice(step, key, tuple(holders[key]))
 
 
-def durable_identity(url: str, storage_options: dict[str, Any],
+def durable_identity(url: str, storage_options: Mapping[str, Any],
                      retry: RetryOptions | None) -> DurableBase | None:
     """The save id and manifest digest of the committed checkpoint at ``url``; None when
     it was not written by VolumeWriter (no manifest: no local-only save continues it)."""

@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 import dcp_volumes
 from dcp_volumes import catalog, errors
 from dcp_volumes._api import typed_errors
-from dcp_volumes.backends import parse_url, redact_url
+from dcp_volumes.backends import StoreLocation, redact_url
 from dcp_volumes.checkpointer import Checkpointer, retain
 from dcp_volumes.reader import VolumeReader
 
@@ -115,12 +115,9 @@ class _Volumes:
                 "strategies: ModelCheckpoint (or your Fabric loop) decides when to save, "
                 "and saves are synchronous")
         self.root = os.fspath(root).rstrip("/")
-        parse_url(self.root)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise errors.ConfigError("storage_options must be a dict of fsspec options or None")
+        self.storage_options = StoreLocation.parse(self.root, storage_options).options
         catalog.check_count("keep_last", options.get("keep_last"))
         catalog.check_count("keep_every", options.get("keep_every"))
-        self.storage_options = dict(storage_options or {})
         self.options = options
         # made on first use: the Checkpointer creates process groups (every rank, once)
         self._checkpointer: Checkpointer | None = None
