@@ -1,11 +1,13 @@
 """``dcp_volumes.save`` / ``dcp_volumes.load``: DCP's calls with our writer/reader, raising
 our typed errors.
 
-``dcp.load`` catches whatever ``read_metadata`` raises and re-raises an ``AssertionError``
-carrying its message, and both calls wrap a rank's failure in a ``CheckpointException``; so
-``except IncompleteCheckpointError`` around plain ``dcp.load`` never matches. These wrappers
-re-raise the typed error (``from`` the original) so callers can tell "no checkpoint" from
-"damaged" from "unreachable".
+Both DCP calls wrap a rank's failure in a ``CheckpointException`` (a ``BaseException``,
+whatever the failure): ``except IncompleteCheckpointError`` around plain ``dcp.load`` never
+matches. Our readers make sure the typed error is at least inside it, in ``.failures``
+(torch 2.9+ would otherwise turn a failed ``read_metadata`` into an ``AssertionError``
+message: :mod:`dcp_volumes._typed`); these wrappers re-raise it unwrapped so callers can tell
+"no checkpoint" from "damaged" from "unreachable". ``load`` also takes a reader in place of
+the path (a :class:`~dcp_volumes.SafetensorsReader`).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _alone(no_dist: bool) -> dict[str, bool]:
 
 def load(
     state_dict: dict[str, Any],
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | VolumeReader,
     /,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -83,11 +85,23 @@ def load(
     """``dcp.load(state_dict, storage_reader=VolumeReader(path, ...))`` in place, raising
     :class:`~dcp_volumes.errors.DCPVolumesError` subclasses on failure.
 
+    ``path`` may be a reader instead (a :class:`~dcp_volumes.SafetensorsReader`, or a
+    :class:`~dcp_volumes.VolumeReader` built by the caller); its options are then its own.
     ``no_dist=True`` loads in this process alone (DCP's ``no_dist``); other keywords go to
     :class:`~dcp_volumes.VolumeReader`. Returns the reader (``last_stats`` has the figures).
+
+    Raises:
+        ConfigError: a reader was passed together with reader options.
     """
-    reader = VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
-                          **reader_options)
+    if isinstance(path, VolumeReader):
+        if storage_options is not None or safe_globals or reader_options:
+            raise errors.ConfigError(
+                "load() got a reader and reader options: pass storage_options, safe_globals "
+                f"and {', '.join(sorted(reader_options)) or 'the rest'} to the reader itself")
+        reader = path
+    else:
+        reader = VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
+                              **reader_options)
     with typed_errors(lambda: reader.last_error):
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  **_alone(no_dist))

@@ -30,10 +30,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._layout import check_relative_path
+from dcp_volumes._metacheck import check_metadata
 from dcp_volumes.backends.translate import redact_url
 
-__all__ = ["CheckedWriteResult", "FileEntry", "ItemEntry", "Manifest", "load_metadata",
-           "manifest_of", "metadata_save_id", "set_save_id", "volume_save_id"]
+__all__ = ["CheckedWriteResult", "FileEntry", "ItemEntry", "Manifest", "item_dtype",
+           "load_metadata", "manifest_of", "metadata_save_id", "set_save_id",
+           "volume_save_id"]
 
 FORMAT_VERSION = 1
 
@@ -104,6 +106,40 @@ class ItemEntry:
             raise ValueError("tensor data outside its item")
         if len(self.block_crcs) != -(-nbytes // self.block_size):
             raise ValueError("block CRC count does not match the data size")
+
+
+def item_dtype(metadata: Any, fqn: str, chunk_offset: Any, entry: ItemEntry | None,
+               what: str) -> torch.dtype | None:
+    """The dtype of a stored tensor item as ``.metadata`` and the manifest both record it
+    (``None`` for a non-tensor item or without ``metadata``).
+
+    The manifest records the dtype and shape of a large tensor's raw bytes (its layout);
+    ``.metadata`` the dtype of every tensor and the shape of every chunk. A lie in either one
+    would have the checked bytes read as another dtype (``verified`` and wrong), so they must
+    agree before a byte is reinterpreted; an item stored whole is compared with the dtype
+    ``torch.save`` recorded in it once it is unpickled (``readplan``).
+
+    Raises:
+        IntegrityError: the two disagree on the item's dtype or shape.
+    """
+    md: Any = getattr(metadata, "state_dict_metadata", {}).get(fqn)
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    if entry is None or entry.data_offset is None:
+        return dtype
+    named = str(dtype).removeprefix("torch.")
+    if entry.dtype != named:
+        raise errors.IntegrityError(
+            f"{what}: .metadata says dtype {named}, the manifest {entry.dtype[:40]}: the "
+            "checkpoint was damaged or crafted; refusing to read its bytes as either")
+    offset = tuple(chunk_offset or ())
+    sizes = next((tuple(c.sizes) for c in md.chunks if tuple(c.offsets) == offset), None)
+    if sizes is not None and sizes != entry.shape:
+        raise errors.IntegrityError(
+            f"{what}: .metadata says shape {sizes}, the manifest {entry.shape}: the "
+            "checkpoint was damaged or crafted; refusing to read its bytes as either")
+    return dtype
 
 
 @dataclass
@@ -295,6 +331,7 @@ def load_metadata(data: bytes, *, where: str) -> Metadata:
         if isinstance(path, str) and path in checked:
             continue
         checked.add(check_relative_path(path))
+    check_metadata(metadata, where)
     return metadata
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_volumes import _compat, _layout, errors, tier
+from dcp_volumes import _compat, _layout, _typed, errors, tier
 from dcp_volumes._commit import read_committed
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest
@@ -160,6 +160,8 @@ class VolumeReader(Location, StorageReader):
         """
         if kwargs.get("rank") is not None:
             # DCP asks for per-rank metadata when the global one failed; we never write it.
+            if self.last_error is not None:
+                return _typed.deferred(self.last_error)  # raised in set_up_storage_reader
             raise errors.CheckpointNotFoundError(
                 f"{redact_url(self._url)} has no per-rank metadata (VolumeWriter writes one "
                 "global .metadata)"
@@ -195,6 +197,7 @@ class VolumeReader(Location, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        _typed.raise_deferred(metadata)  # the typed error read_metadata() recorded
         if metadata.storage_data is None:
             raise errors.IntegrityError(f"{redact_url(self._url)}: .metadata has no storage_data")
         self._storage_data = metadata.storage_data

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import os
+import stat
 from typing import Any
 
 from dcp_volumes import errors
@@ -42,8 +44,8 @@ class LocalBackend(Backend):
 
     async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
         real = self.confined(relative)
-        return await self.fs_call("cat_file", real, start=start,  # type: ignore[no-any-return]
-                                  end=end)
+        return await asyncio.to_thread(read_regular, real, start, end,
+                                       f"{relative} of {self.url}")
 
     async def info(self, relative: str, *, stats: CallStats | None = None
                    ) -> dict[str, Any] | None:
@@ -97,6 +99,64 @@ class LocalBackend(Backend):
                 await self.call(functools.partial(self.fs_call, "rmdir", d), op="delete", url=d)
             except (errors.DCPVolumesError, OSError):
                 pass  # not empty (someone wrote into it): leave it
+
+
+_READ_FLAGS = (os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+               | getattr(os, "O_CLOEXEC", 0))
+
+
+def read_regular(path: str, start: int | None, end: int | None, what: str) -> bytes:
+    """Bytes ``[start, end)`` of the regular file ``path`` (negative: from its end, as
+    fsspec's ``cat_file``).
+
+    Opened without blocking and without following a final link, then checked to be a
+    regular file before a byte is read: a FIFO put where a checkpoint file belongs would
+    otherwise hang the reader forever, and a device would read without end.
+
+    Raises:
+        UnsafeCheckpointError: ``path`` is not a regular file (a FIFO, a socket, a device,
+            a directory, a link).
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise _not_regular(what, "a link or directory") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(what, _kind(info.st_mode))
+        size = info.st_size
+        first = 0 if start is None else (max(size + start, 0) if start < 0 else start)
+        stop = size if end is None else (max(size + end, 0) if end < 0 else min(end, size))
+        data = os.pread(fd, max(stop - first, 0), first)  # one call, but for > 2 GiB
+        if len(data) >= stop - first or not data:
+            return data
+        out = bytearray(data)
+        while first + len(out) < stop:
+            piece = os.pread(fd, stop - first - len(out), first + len(out))
+            if not piece:
+                break  # the file shrank meanwhile: the caller checks the length it needs
+            out += piece
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_regular(what: str, kind: str) -> errors.UnsafeCheckpointError:
+    return errors.UnsafeCheckpointError(
+        f"{what} is {kind}, not a regular file: refusing to read it (reading a FIFO or "
+        "device would hang or never end); replace it with the file itself")
 
 
 class LocalSink(Sink):

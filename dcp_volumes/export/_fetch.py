@@ -145,7 +145,8 @@ class Source:
         for r in rounds:
             for slab in r.slabs:
                 r.reads.extend(self._reads(slab))
-            r.needs = plan_needs(r.reads, self.metadata.storage_data, self.manifest, self.url)
+            r.needs = plan_needs(r.reads, self.metadata.storage_data, self.manifest, self.url,
+                                 self.metadata)
             r.ranges = plan_ranges(r.needs, gap=self.transfer.coalesce_gap,
                                    max_size=self.transfer.max_range_size)
         check_store(self.backend, [rng for r in rounds for rng in r.ranges], self.url)

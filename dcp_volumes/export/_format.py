@@ -50,6 +50,7 @@ MAX_ENTRIES = 200_000
 #: the most dimensions a tensor may have (torch's own limit is 64)
 MAX_DIMS = 64
 _PREFIX = 8  # the u64 header length
+_INT64 = 2**63  # torch's sizes and byte counts are signed 64-bit
 _ALIGN = 8
 
 
@@ -174,7 +175,10 @@ def parse_header(body: bytes, size: int, what: str) -> Header:
     try:
         doc = json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(what, f"its header is not valid JSON ({exc})") from None
+        raise _bad(what, f"its header is not valid JSON ({str(exc)[:200]})") from None
+    except RecursionError:
+        raise _bad(what, "its header nests JSON deeper than Python can parse (a header "
+                         "is one flat object of tensors)") from None
     if not isinstance(doc, dict):
         raise _bad(what, "its header is not a JSON object")
     metadata = doc.pop("__metadata__", None) or {}
@@ -217,9 +221,10 @@ def _entry(name: str, value: Any, what: str) -> TensorEntry:
         raise _bad(what, f"tensor {name!r} has dtype {str(code)[:20]!r}, which dcp_volumes "
                          f"does not know (known: {', '.join(DTYPES)})")
     if (not isinstance(shape, list) or len(shape) > MAX_DIMS
-            or not all(_natural(d) for d in shape)):
-        raise _bad(what, f"tensor {name!r} has a shape that is not a list of at most "
-                         f"{MAX_DIMS} non-negative integers")
+            or not all(_natural(d) and d < _INT64 for d in shape)
+            or math.prod(max(d, 1) for d in shape) * DTYPES[code][1] >= _INT64):
+        raise _bad(what, f"tensor {name[:200]!r} has a shape that is not a list of at most "
+                         f"{MAX_DIMS} non-negative integers whose bytes fit in 63 bits")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_natural, offsets))
             or offsets[0] > offsets[1]):
         raise _bad(what, f"tensor {name!r} has data_offsets that are not [begin, end] with "

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_volumes import _layout, errors
+from dcp_volumes import _layout, _typed, errors
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
 from dcp_volumes.backends import Backend, redact_url
 from dcp_volumes.config import RetryOptions, TransferOptions
@@ -141,6 +141,8 @@ class SafetensorsReader(VolumeReader):
                 map to one key.
         """
         if kwargs.get("rank") is not None:
+            if self.last_error is not None:
+                return _typed.deferred(self.last_error)  # raised in set_up_storage_reader
             raise errors.CheckpointNotFoundError(
                 f"{redact_url(self._url)} holds safetensors: there is no per-rank metadata")
         self.last_error = None

@@ -27,7 +27,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._manifest import ItemEntry, Manifest
+from dcp_volumes._manifest import ItemEntry, Manifest, item_dtype
 from dcp_volumes.transfer import transforms
 from dcp_volumes.transfer.download import RangeRequest
 
@@ -52,6 +52,8 @@ class Need:
     transforms: tuple[str, ...] = ()
     #: the most the item may decode to (with ``transforms``)
     decoded_limit: int = 0
+    #: the item's dtype as ``.metadata`` and the manifest record it (a tensor item)
+    dtype: torch.dtype | None = None
 
 
 def describe(read: ReadItem) -> str:
@@ -109,14 +111,17 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
                     f"{describe(item_reads[0])} in shard {relative}: .metadata says {length} "
                     f"bytes, manifest says {entry.length}"
                 )
+        what = f"{describe(item_reads[0])} in shard {relative} of {url}"
+        index = item_reads[0].storage_index
+        dtype = item_dtype(metadata, index.fqn, index.offset, entry, what)
         descriptors = getattr(infos[(relative, offset)], "transform_descriptors", None)
         if descriptors:  # fetched whole: the stored bytes are a transform's output
-            what = f"{describe(item_reads[0])} in shard {relative} of {url}"
             need = Need(relative, offset, offset + length, offset, length, item_reads, entry,
                         None, length, transforms.check_transforms(descriptors, what),
                         _decoded_limit(item_reads[0], metadata))
         else:
             need = _need_for(relative, offset, length, item_reads, entry)
+        need.dtype = dtype
         needs.append(need)
     return needs
 
@@ -263,7 +268,8 @@ def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
                                       what=what)
             transforms.check_zip_crcs(chunk, what)
         for read in need.reads:
-            _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms))
+            _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms),
+                        dtype=need.dtype)
         return
     entry = cast(ItemEntry, need.entry)
     dtype = getattr(torch, entry.dtype)
@@ -306,7 +312,12 @@ def check_object_item(read: ReadItem, chunk: memoryview, trusted: Sequence[Any])
             names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(chunk))
         except Exception:  # noqa: BLE001 — naming them is a courtesy; the refusal stands
             names = []
-        shown = ", ".join(sorted(set(names) - {_name_of(t) for t in (*ALWAYS_SAFE, *trusted)})[:5]) or "?"
+        shown = ", ".join(sorted(set(names) - {_name_of(t) for t in (*ALWAYS_SAFE, *trusted)})[:5])
+        if not shown:  # refused for something other than a global it names
+            raise errors.UnsafeCheckpointError(
+                f"{describe(read)} is a pickled object that torch's weights-only unpickler "
+                "refuses without naming a class or function (an opcode or value it does not "
+                "allow): the item is damaged or crafted; refusing to unpickle it") from exc
         raise errors.UnsafeCheckpointError(
             f"{describe(read)} is a pickled object that references {shown}, which loading "
             "would call: refused. If you trust this checkpoint and that class, pass it in "
@@ -324,7 +335,8 @@ def _name_of(obj: Any) -> str:
 
 
 def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
-                trusted: Sequence[Any], *, decoded: bool = False) -> None:
+                trusted: Sequence[Any], *, decoded: bool = False,
+                dtype: torch.dtype | None = None) -> None:
     """Deserialize one whole stored item exactly as torch's FileSystemReader does.
     ``decoded``: the bytes were decoded from a stream transform, so one that is not a
     readable tensor is damaged data (an ``IntegrityError``), not a format torch rejects."""
@@ -343,6 +355,10 @@ def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
     if not isinstance(tensor, torch.Tensor):
         raise errors.IntegrityError(f"{describe(read)} is stored as a tensor item but holds "
                                     f"a {type(tensor).__name__}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise errors.IntegrityError(
+            f"{describe(read)}: .metadata says dtype {dtype}, the stored item holds "
+            f"{tensor.dtype}: the checkpoint was damaged or crafted; refusing to load it")
     _copy_into(read, narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths), planner)
 
 

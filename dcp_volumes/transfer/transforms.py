@@ -9,8 +9,12 @@ in the order listed. Here:
   installation cannot decode (an unknown name or version, or ``stream.zstd`` with neither
   ``zstandard`` nor ``pyzstd`` importable) with :class:`~dcp_volumes.errors.
   UnsupportedTransformError` naming it and what to install.
-- :func:`decode` undoes them with an output bound taken from the item's metadata
-  (:func:`decoded_limit`): a frame that claims, or inflates to, more than the bound is an
+- :func:`decode` undoes them with an output bound (:func:`decode_bound`): what the item's
+  metadata allows (:func:`decoded_limit`), and never more than zstd's format can make of the
+  bytes actually held (:data:`MAX_RATIO` per byte). ``.metadata`` is untrusted, so the first
+  alone would let it claim any size; its chunks are checked to lie inside their tensor
+  (:mod:`dcp_volumes._metacheck`), whose shape DCP's planner checks against the caller's
+  own tensor. A frame that claims, or inflates to, more than the bound is an
   :class:`~dcp_volumes.errors.IntegrityError` before that memory is allocated, so a small
   crafted item cannot exhaust memory. The decoded item is a ``torch.save`` zip, whose
   per-record CRC-32 (written by torch by default) is checked (:func:`check_zip_crcs`):
@@ -28,14 +32,18 @@ from typing import Any
 
 from dcp_volumes import errors
 
-__all__ = ["MAX_OBJECT_BYTES", "TENSOR_OVERHEAD", "check_transforms", "check_zip_crcs",
-           "decode", "decoded_limit"]
+__all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "TENSOR_OVERHEAD", "check_transforms",
+           "check_zip_crcs", "decode", "decode_bound", "decoded_limit"]
 
 #: the most a non-tensor item may decode to (DCP's pickled objects: configs, RNG and
 #: dataloader state, optimizer param groups)
 MAX_OBJECT_BYTES = 256 * 2**20
 #: what ``torch.save`` adds to a tensor's bytes (its pickle, records, zip directory), at most
 TENSOR_OVERHEAD = 64 * 2**10
+
+#: the most one byte of a zstd stream can decode to: a block yields at most 128 KiB and takes
+#: at least 4 bytes (an RLE block), so no stream, valid or crafted, inflates more
+MAX_RATIO = 32768
 
 _ZSTD = "stream.zstd"
 _INSTALL = "pip install zstandard"
@@ -99,28 +107,38 @@ def decoded_limit(chunk_sizes: Sequence[int] | None, element_size: int) -> int:
     return math.prod(chunk_sizes) * element_size + TENSOR_OVERHEAD
 
 
+def decode_bound(limit: int, stored: int) -> int:
+    """The most ``stored`` bytes of a zstd stream may decode to, given the ``limit`` the
+    item's metadata allows (:func:`decoded_limit`): the smaller of the two and of what zstd's
+    format can make of ``stored`` bytes (:data:`MAX_RATIO`). ``stored`` is the number of
+    bytes actually held, not one read from storage; load and export both decode with it."""
+    return max(0, min(limit, stored * MAX_RATIO))
+
+
 def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: str
            ) -> memoryview:
-    """Undo the transforms (in the order torch lists them), each output at most ``limit``.
+    """Undo the transforms (in the order torch lists them), each output at most
+    :func:`decode_bound` of ``limit`` and its input.
 
     Raises:
         IntegrityError: the data is not a valid stream of that transform, or claims or
-            decodes to more than ``limit`` bytes.
+            decodes to more than that bound.
     """
     out = data
     for descriptor in descriptors:
         module = _zstd_module(what, descriptor)
+        bound = decode_bound(limit, len(out))
         if module.__name__ == "zstandard":
-            out = memoryview(_zstandard(module, out, limit, what))
+            out = memoryview(_zstandard(module, out, bound, what))
         else:
-            out = memoryview(_pyzstd(module, out, limit, what))
+            out = memoryview(_pyzstd(module, out, bound, what))
     return out
 
 
 def _bomb(what: str, why: str, limit: int) -> errors.IntegrityError:
     return errors.IntegrityError(
-        f"{what}: its zstd stream {why}, more than the {limit} bytes its metadata allows: "
-        "the stored bytes are damaged or crafted; refusing to decode it")
+        f"{what}: its zstd stream {why}, more than the {limit} bytes its metadata and its "
+        "stored size allow: the stored bytes are damaged or crafted; refusing to decode it")
 
 
 def _corrupt(what: str, exc: BaseException) -> errors.IntegrityError:
@@ -144,7 +162,8 @@ def _zstandard(zstd: Any, data: memoryview, limit: int, what: str) -> bytes:
             # a complete frame that does not fit, or a truncated one: both refused
             raise errors.IntegrityError(
                 f"{what}: its zstd stream is truncated or decodes to more than the {limit} "
-                "bytes its metadata allows: the stored bytes are damaged or crafted") from exc
+                "bytes its metadata and its stored size allow: the stored bytes are damaged "
+                "or crafted") from exc
         raise _corrupt(what, exc) from exc
 
 
