@@ -17,13 +17,17 @@ import torch.distributed.checkpoint as dcp
 from dcp_volumes import _compat, catalog, errors
 from dcp_volumes._api import typed_errors
 from dcp_volumes.backends import StoreLocation, redact_url
+from dcp_volumes.checkpointer._autopilot import Autopilot, AutopilotOptions
 from dcp_volumes.checkpointer._background import Pending, watch
 from dcp_volumes.checkpointer._policy import (
     Marks,
     SaveKind,
     SavePolicy,
+    check_local_only,
+    check_options,
     check_step_format,
     retain,
+    step_of_url,
 )
 from dcp_volumes.checkpointer._resume import durable_identity, newest_local_only
 from dcp_volumes.config import (
@@ -35,7 +39,7 @@ from dcp_volumes.config import (
 )
 from dcp_volumes.reader import VolumeReader
 from dcp_volumes.stats import LoadStats
-from dcp_volumes.tier import DurableBase, LocalCommit, name_under, normal_url, replicate
+from dcp_volumes.tier import DurableBase, LocalCommit, replicate
 from dcp_volumes.writer import VolumeWriter
 
 if TYPE_CHECKING:
@@ -74,7 +78,9 @@ class Checkpointer:
         every_steps: save when ``step % every_steps == 0``.
         every_seconds: save when at least this long has passed since the last durable save
             started (or since construction / :meth:`load_latest`). With both set, either
-            triggers a save; with neither, every :meth:`save` call saves.
+            triggers a save; with neither, every :meth:`save` call saves. ``"auto"``: chosen
+            from the run's measured costs and failures (see :attr:`stats`, docs/goodput.md).
+        autopilot: ``AutopilotOptions`` of ``every_seconds="auto"`` (prior, bounds).
         local_every_steps: a second, faster cadence of *local-only* saves (needs
             ``local_tier=`` and a durable cadence, ``every_steps`` or ``every_seconds``):
             a local-only save when ``step % local_every_steps == 0``. A step due for both
@@ -118,7 +124,7 @@ class Checkpointer:
         *,
         storage_options: dict[str, Any] | None = None,
         every_steps: int | None = None,
-        every_seconds: float | None = None,
+        every_seconds: float | str | None = None,
         local_every_steps: int | None = None,
         local_every_seconds: float | None = None,
         drain: bool = False,
@@ -134,24 +140,22 @@ class Checkpointer:
         step_format: str = "step-{step:08d}",
         step_pattern: str | re.Pattern[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        autopilot: AutopilotOptions | None = None,
     ) -> None:
         url = os.fspath(root)
         self.storage_options = StoreLocation.parse(url, storage_options).options
         self.root = url.rstrip("/") if url.rstrip("/") else url
-        self.policy = SavePolicy(every_steps, every_seconds, local_every_steps,
-                                 local_every_seconds, drain, clock)
+        check_options(spool=spool, transfer=transfer, retry=retry)
+        self._autopilot = Autopilot.create(every_seconds, local_every_seconds, autopilot, url,
+                                           self.storage_options, retry, local_tier)
+        self.policy = SavePolicy(every_steps, self._autopilot.every_seconds(every_seconds),
+                                 local_every_steps, local_every_seconds, drain, clock)
         self.policy.check_with(local_tier=local_tier is not None, async_save=bool(async_save))
         catalog.check_count("keep_last", keep_last)
         catalog.check_count("keep_every", keep_every)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = bool(async_save)
-        for name, value, cls in (("spool", spool, SpoolOptions),
-                                 ("transfer", transfer, TransferOptions),
-                                 ("retry", retry, RetryOptions)):
-            if value is not None and not isinstance(value, cls):
-                raise errors.ConfigError(
-                    f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
         self.overwrite = bool(overwrite)
         self.spool, self.transfer, self.retry = spool, transfer, retry
         self.local_tier = check_local_tier(local_tier, spool or SpoolOptions())
@@ -190,6 +194,7 @@ class Checkpointer:
     local_every_steps = property(lambda self: self.policy.local_every_steps)
     local_every_seconds = property(lambda self: self.policy.local_every_seconds)
     drain = property(lambda self: self.policy.drain)
+    stats = property(lambda self: self._autopilot.stats())  # "auto": the interval and why
 
     # ---- policy --------------------------------------------------------------------------
     def url_for(self, step: int) -> str:
@@ -217,6 +222,7 @@ class Checkpointer:
         Collective when a ``*_every_seconds`` is set in a distributed run (rank 0's clock
         decides for everyone); otherwise local.
         """
+        self.policy = self._autopilot.policy(self.policy)
         kind = self.policy.due(step, self._marks)
         if step == self._marks.last_step or not (self._distributed and self.policy.timed):
             return kind
@@ -263,12 +269,14 @@ class Checkpointer:
         url = self.url_for(step)
         writer = self._writer(url, local)
         self._marks.saved(step, self.policy.clock(), durable=not local)
+        started = time.monotonic()
         if not self.async_save:
             with typed_errors():
                 dcp.save(state_dict, checkpoint_id=url, storage_writer=writer,
                          process_group=self._ctl_group)
             self._settle_save(writer, step, url, self._ctl_group)
             replicate(self.local_tier, url, group=self._ctl_group)
+            self._autopilot.track(kind, started, writer, None)
             return True
         response = dcp.async_save(
             state_dict,
@@ -277,20 +285,13 @@ class Checkpointer:
             process_group=self._save_group,
             **_compat.async_executor("thread"),
         )
-        self._pending = watch(step, url, _compat.upload_future(response),
-                              lambda: self._settle_save(writer, step, url, self._save_group))
+        self._pending = watch(step, url, _compat.upload_future(response), self._autopilot.track(
+            kind, started, writer, lambda: self._settle_save(writer, step, url, self._save_group)))
         return True
 
     def _kind(self, step: int, force: bool, local_only: bool | None) -> SaveKind | None:
         """Which save :meth:`save` makes at ``step`` (None: none is due)."""
-        if local_only is not None and not isinstance(local_only, bool):
-            raise errors.ConfigError(
-                f"local_only= must be True, False or None, got {local_only!r}")
-        if local_only and self.local_tier is None:
-            raise errors.ConfigError(
-                "save(..., local_only=True) writes to the local tier only, and this "
-                "Checkpointer has none: pass Checkpointer(..., local_tier=LocalTierOptions("
-                "directory=...)), or save without local_only=True")
+        check_local_only(local_only, has_tier=self.local_tier is not None)
         if not force:
             kind = self.due(step)
             if kind is None:
@@ -390,6 +391,7 @@ class Checkpointer:
         """
         self._check_open()
         self._finish_pending()
+        started = time.monotonic()
         info = catalog.latest(
             self.root,
             storage_options=self.storage_options,
@@ -418,6 +420,7 @@ class Checkpointer:
             dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
         self.last_load_stats = reader.last_stats
         self._marks.reset(self.policy.clock(), step)
+        self._autopilot.resumed(started, step, reader.last_stats, commit is not None)
         logger.info("resumed from %s (step %s%s)", redact_url(url), step,
                     ", local-only save" if commit is not None else "")
         return step
@@ -431,11 +434,7 @@ class Checkpointer:
 
     def _step_of(self, url: str) -> int | None:
         """The step of a checkpoint URL of this run (None: not one of this run's steps)."""
-        name = name_under(self.root, url)
-        step = catalog.step_of(name, self.step_pattern) if name is not None else None
-        if step is None or normal_url(self.url_for(step)) != normal_url(url):
-            return None
-        return step
+        return step_of_url(self.root, url, self.step_pattern, self.url_for)
 
     def _newest_local_only(self, info: catalog.CheckpointInfo | None
                            ) -> tuple[int, LocalCommit, DurableBase | None] | None:
@@ -463,6 +462,7 @@ class Checkpointer:
         self._closed = True
         try:
             self._finish_pending()
+            self._autopilot.closed()
         finally:
             for writer in self._writers.values():
                 writer.close()

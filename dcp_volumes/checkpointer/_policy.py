@@ -13,8 +13,11 @@ from typing import Any, Literal
 
 from dcp_volumes import catalog, errors
 from dcp_volumes.backends import redact_url
+from dcp_volumes.config import RetryOptions, SpoolOptions, TransferOptions
+from dcp_volumes.tier import name_under, normal_url
 
-__all__ = ["Marks", "SaveKind", "SavePolicy", "check_step_format", "retain"]
+__all__ = ["Marks", "SaveKind", "SavePolicy", "check_local_only", "check_options",
+           "check_step_format", "retain", "step_of_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,3 +160,35 @@ def check_step_format(step_format: str, pattern: re.Pattern[str]) -> None:
             f"pattern {pattern.pattern!r} does not parse back to 1234: pass a "
             "matching step_pattern (and no '/' in the name)"
         )
+
+
+def check_options(*, spool: object, transfer: object, retry: object) -> None:
+    """The Checkpointer's option objects are of their types."""
+    for name, value, cls in (("spool", spool, SpoolOptions),
+                             ("transfer", transfer, TransferOptions),
+                             ("retry", retry, RetryOptions)):
+        if value is not None and not isinstance(value, cls):
+            raise errors.ConfigError(
+                f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
+
+
+def check_local_only(local_only: object, *, has_tier: bool) -> None:
+    """``save(..., local_only=)`` is True, False or None, and True only with a local tier."""
+    if local_only is not None and not isinstance(local_only, bool):
+        raise errors.ConfigError(
+            f"local_only= must be True, False or None, got {local_only!r}")
+    if local_only and not has_tier:
+        raise errors.ConfigError(
+            "save(..., local_only=True) writes to the local tier only, and this "
+            "Checkpointer has none: pass Checkpointer(..., local_tier=LocalTierOptions("
+            "directory=...)), or save without local_only=True")
+
+
+def step_of_url(root: str, url: str, pattern: re.Pattern[str],
+                url_for: Callable[[int], str]) -> int | None:
+    """The step of a checkpoint URL of the run at ``root`` (None: not one of its steps)."""
+    name = name_under(root, url)
+    step = catalog.step_of(name, pattern) if name is not None else None
+    if step is None or normal_url(url_for(step)) != normal_url(url):
+        return None
+    return step

@@ -25,7 +25,22 @@ everywhere (no finite optimum; goodput is ``τ/(τ+δ)``).
 
 from __future__ import annotations
 
+from dcp_volumes.goodput._auto import (
+    AutoInterval,
+    AutopilotOptions,
+    MeasuredCosts,
+    choose_interval,
+    measured_costs,
+    settle_interval,
+)
 from dcp_volumes.goodput._durations import format_duration, parse_duration_s
+from dcp_volumes.goodput._estimate import (
+    DEFAULT_PRIOR_WEIGHT,
+    FailureEstimate,
+    FailurePrior,
+    default_prior,
+    estimate_failures,
+)
 from dcp_volumes.goodput._model import (
     DEFAULT_INTERVALS_S,
     HOURS_PER_YEAR,
@@ -37,6 +52,16 @@ from dcp_volumes.goodput._model import (
     young_interval_s,
 )
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
+from dcp_volumes.goodput._record import (
+    RECORD_NAME,
+    Incarnation,
+    RestoreSample,
+    RunRecord,
+    SaveSample,
+    dump_record,
+    parse_record,
+)
+from dcp_volumes.goodput._store import read_run_record, record_root, write_run_record
 from dcp_volumes.goodput._two_level import (
     TierCosts,
     TwoLevelPlan,
@@ -49,23 +74,44 @@ from dcp_volumes.goodput._two_level import (
 
 __all__ = [
     "DEFAULT_INTERVALS_S",
+    "DEFAULT_PRIOR_WEIGHT",
     "HOURS_PER_YEAR",
+    "RECORD_NAME",
+    "AutoInterval",
+    "AutopilotOptions",
+    "FailureEstimate",
     "FailureModel",
+    "FailurePrior",
+    "Incarnation",
     "IntervalRow",
+    "MeasuredCosts",
     "Plan",
+    "RestoreSample",
+    "RunRecord",
+    "SaveSample",
     "TierCosts",
     "TwoLevelPlan",
     "TwoLevelRow",
+    "choose_interval",
     "daly_interval_s",
+    "default_prior",
+    "dump_record",
+    "estimate_failures",
     "expected_goodput",
     "expected_loss_per_failure_s",
     "expected_rework_s",
     "format_duration",
     "interruption_probability",
+    "measured_costs",
     "parse_duration_s",
+    "parse_record",
     "plan_intervals",
     "plan_two_level",
+    "read_run_record",
+    "record_root",
+    "settle_interval",
     "two_level_goodput",
     "two_level_intervals_s",
+    "write_run_record",
     "young_interval_s",
 ]

@@ -1,0 +1,261 @@
+"""``Checkpointer(every_seconds="auto")``: the run measures its saves and restores, keeps them
+in its record under the root (rank 0 writes it), estimates its failure rate from a prior and
+its own interruptions, and re-chooses the cadences (:mod:`dcp_volumes.goodput._auto`).
+
+The Checkpointer calls four hooks: :meth:`Autopilot.track` (a save started; its completion
+is watched), :meth:`Autopilot.resumed` (``load_latest`` returned), :meth:`Autopilot.policy`
+(before each decision: the cadences now) and :meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do
+nothing. Nothing here fails a save or a resume: the record's problems are WARNINGs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_volumes import errors
+from dcp_volumes.backends import open_backend
+from dcp_volumes.checkpointer._policy import SavePolicy
+from dcp_volumes.config import RetryOptions
+from dcp_volumes.goodput import (
+    AutoInterval,
+    AutopilotOptions,
+    FailurePrior,
+    Incarnation,
+    RestoreSample,
+    RunRecord,
+    SaveSample,
+    choose_interval,
+    default_prior,
+    estimate_failures,
+    format_duration,
+    measured_costs,
+    read_run_record,
+    record_root,
+    settle_interval,
+    write_run_record,
+)
+from dcp_volumes.stats import LoadStats
+
+__all__ = ["Autopilot", "AutopilotOptions", "process_start_wall"]
+
+logger = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    pass
+
+
+def process_start_wall() -> float:
+    """When this process started (wall clock): psutil's create time, else now."""
+    try:
+        import psutil
+
+        return float(psutil.Process(os.getpid()).create_time())
+    except Exception:  # noqa: BLE001 -- psutil missing or /proc unreadable: now is the floor
+        return time.time()
+
+
+class Autopilot:
+    """The run's measurements and the cadences they give (see the module docstring)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any], retry: RetryOptions | None,
+                 options: AutopilotOptions | None, *, local_tier: bool, enabled: bool = True,
+                 wall: Callable[[], float] = time.time, started: float | None = None) -> None:
+        self.enabled = enabled
+        self.options = options or AutopilotOptions()
+        self._root, self._storage_options, self._retry = root, storage_options, retry
+        self._local_tier, self._wall = local_tier, wall
+        self._started = process_start_wall() if started is None else started
+        distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if distributed else 0
+        gpus = dist.get_world_size() if distributed else 1
+        model = self.options.failure_model
+        self.prior = (FailurePrior.from_model(model, weight=self.options.prior_weight)
+                      if model is not None else default_prior(gpus,
+                                                              weight=self.options.prior_weight))
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._record: RunRecord | None = None
+        self._interval = choose_interval(measured_costs(RunRecord(root="")),
+                                         self._estimate(RunRecord(root="")), self.options,
+                                         local_tier=local_tier)
+        self._applied: AutoInterval | None = None
+
+    @classmethod
+    def create(cls, every_seconds: object, local_every_seconds: object,
+               options: AutopilotOptions | None, root: str, storage_options: dict[str, Any],
+               retry: RetryOptions | None, local_tier: object) -> Autopilot:
+        """The Checkpointer's autopilot: on for ``every_seconds="auto"``, else off
+        (``local_tier``: the Checkpointer's tier options, or None)."""
+        if every_seconds != "auto":
+            if options is not None:
+                raise errors.ConfigError('autopilot= applies to every_seconds="auto" only; pass '
+                                         'every_seconds="auto" or drop autopilot=')
+            return cls.off()
+        if local_every_seconds is not None:
+            raise errors.ConfigError('every_seconds="auto" chooses the local cadence too: drop '
+                                     "local_every_seconds (local_every_steps may stay)")
+        if options is not None and not isinstance(options, AutopilotOptions):
+            raise errors.ConfigError("autopilot= must be a dcp_volumes.goodput.AutopilotOptions")
+        return cls(root, storage_options, retry, options, local_tier=local_tier is not None)
+
+    @classmethod
+    def off(cls) -> Autopilot:
+        return cls("", {}, None, None, local_tier=False, enabled=False, started=0.0)
+
+    def every_seconds(self, given: Any) -> Any:
+        """The ``every_seconds`` the policy starts with."""
+        return self._interval.every_s if self.enabled else given
+
+    # ---- hooks -----------------------------------------------------------------------------
+    def policy(self, current: SavePolicy) -> SavePolicy:
+        """``current`` with the cadences chosen now (the same object when unchanged)."""
+        if not self.enabled:
+            return current
+        with self._lock:
+            chosen = self._interval
+        if chosen is self._applied:
+            return current
+        self._applied = chosen
+        return dataclasses.replace(current, every_seconds=chosen.every_s,
+                                   local_every_seconds=chosen.local_every_s)
+
+    def track(self, kind: str, started: float, writer: Any,
+              settle: Callable[[], None] | None) -> Callable[[], None]:
+        """A save of ``kind`` started at ``started`` (``time.monotonic``) has returned.
+        Sync (``settle`` None): it completed now. Async: returns ``settle`` followed by the
+        measurement of its completion and the record's write, for the background save to
+        run after its upload (before its waiters wake)."""
+        if not self.enabled:
+            return settle if settle is not None else _nothing
+        returned = time.monotonic()
+        self._begin()
+        if settle is None:
+            self._saved(kind, returned - started, 0.0, writer)
+            return _nothing
+
+        def _settle_and_measure() -> None:
+            settle()
+            try:
+                self._saved(kind, returned - started, time.monotonic() - returned, writer)
+            except Exception:
+                logger.warning("autopilot: the save could not be measured", exc_info=True)
+
+        return _settle_and_measure
+
+    def resumed(self, started: float, step: int | None, load_stats: LoadStats | None,
+                local_only: bool) -> None:
+        """``load_latest`` (begun at ``started``, ``time.monotonic``) returned ``step``."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        self._begin()
+        if step is not None:
+            local = local_only or (load_stats is not None and load_stats.bytes_needed > 0
+                                   and 2 * load_stats.bytes_from_local >= load_stats.bytes_needed)
+            wall = self._wall()
+            with self._lock:
+                assert self._record is not None
+                begun = self._record.incarnations[-1].started
+                self._record.add_restore(RestoreSample(now - started, max(0.0, wall - begun),
+                                                       "local" if local else "store", wall))
+        self._update(write=True)
+
+    def closed(self) -> None:
+        """``close()`` after the last save completed: a clean end, not an interruption --
+        unless an exception is being handled (``with Checkpointer(...)`` unwinding)."""
+        if not self.enabled or self._record is None:
+            return
+        if sys.exc_info()[1] is None:
+            with self._lock:
+                self._record.incarnations[-1].closed = True
+        self._update(write=True)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """The first hook of this incarnation: read the record (rank 0), add this one."""
+        if self._record is not None:
+            return
+        record = None
+        if self._rank == 0:
+            record = read_run_record(self._root, self._storage_options, self._retry)
+        if record is None:
+            record = RunRecord(root=self._record_root())
+        now = self._wall()
+        # a second Checkpointer in one process starts when it begins, not with the process
+        started = self._started if not record.incarnations or (
+            record.incarnations[-1].last_seen <= self._started) else now
+        record.add_incarnation(Incarnation(started, max(now, started),
+                                           interval_s=self._interval.every_s))
+        with self._lock:
+            self._record = record
+
+    def _record_root(self) -> str:
+        try:
+            return record_root(open_backend(self._root, self._storage_options, self._retry))
+        except errors.DCPVolumesError:
+            return self._root
+
+    def _saved(self, kind: str, blocking_s: float, background_s: float, writer: Any) -> None:
+        stats = getattr(writer, "last_stats", None)
+        nbytes = int(getattr(stats, "bytes", 0) or 0)
+        with self._lock:
+            assert self._record is not None
+            self._record.add_save(SaveSample(kind, blocking_s, background_s, nbytes,
+                                             self._wall()))
+        self._update(write=kind == "durable")
+
+    def _estimate(self, record: RunRecord) -> Any:
+        n, exposure = record.evidence(self._wall())
+        return estimate_failures(self.prior, interruptions=n, exposure_s=exposure)
+
+    def _update(self, *, write: bool) -> None:
+        """Recompute the cadences from the record; rank 0 writes the record when asked."""
+        with self._lock:
+            record = self._record
+            assert record is not None
+            inc = record.incarnations[-1]
+            inc.last_seen = max(inc.last_seen, self._wall())
+            inc.interval_s = self._interval.every_s
+            new = choose_interval(measured_costs(record, self.options.window),
+                                  self._estimate(record), self.options,
+                                  local_tier=self._local_tier)
+            chosen = settle_interval(self._interval, new, self.options)
+            changed, self._interval = chosen is not self._interval, chosen
+        if changed:
+            self._log(chosen)
+        if write and self._rank == 0:
+            with self._write_lock:  # one write at a time, each of the state as it is then
+                with self._lock:
+                    snapshot = copy.deepcopy(record)
+                write_run_record(self._root, self._storage_options, self._retry, snapshot)
+
+    def _log(self, chosen: AutoInterval) -> None:
+        local = ("" if chosen.local_every_s is None
+                 else f", a local-only save every {format_duration(chosen.local_every_s)}")
+        level = logging.WARNING if "saves will queue" in chosen.reason else logging.INFO
+        logger.log(level, "autopilot: a durable save every %s%s (%s; %s; δ %s s, U %.3g s, R %.3g s, "
+                    "M %s)", format_duration(chosen.every_s), local, chosen.reason,
+                    chosen.formula, "?" if chosen.delta_s is None else f"{chosen.delta_s:.3g}",
+                    chosen.upload_s, chosen.restart_s, format_duration(chosen.mttf_s))
+
+    def stats(self) -> dict[str, Any]:
+        """The current cadences and why, the measured costs, the failure estimate."""
+        if not self.enabled:
+            return {}
+        with self._lock:
+            record = self._record or RunRecord(root="")
+            estimate = self._estimate(record)
+            return {"interval": self._interval.to_dict(),
+                    "costs": measured_costs(record, self.options.window).to_dict(),
+                    "failures": estimate.to_dict(), "run_id": record.run_id}

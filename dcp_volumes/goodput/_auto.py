@@ -1,0 +1,227 @@
+"""The autopilot's interval: the run's measured costs and failure estimate in, the cadences
+out (pure; :mod:`dcp_volumes.checkpointer._autopilot` runs it).
+
+Costs are medians over the newest :attr:`AutopilotOptions.window` samples, so one slow save
+does not swing the interval. The durable interval is Young's ``τ = √(2δM)`` of work, i.e. a
+save started every ``τ + δ`` seconds, clamped to at least the time a durable save takes to
+complete (``δ + U``, with 10 % to spare: shorter, and saves would queue behind each other)
+and to ``[min_interval_s, max_interval_s]``. With a local tier both cadences come from the
+two-level plan (:func:`~dcp_volumes.goodput.two_level_intervals_s`). A new interval replaces
+the current one only when it differs by more than ``change_threshold``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_volumes.errors import ConfigError
+from dcp_volumes.goodput._checks import MAX_DURATION_S, finite_or_none, positive
+from dcp_volumes.goodput._estimate import DEFAULT_PRIOR_WEIGHT, FailureEstimate
+from dcp_volumes.goodput._model import FailureModel, expected_goodput
+from dcp_volumes.goodput._record import RunRecord
+from dcp_volumes.goodput._two_level import TierCosts, two_level_intervals_s
+
+__all__ = ["AutoInterval", "AutopilotOptions", "MeasuredCosts", "choose_interval",
+           "measured_costs",
+           "settle_interval"]
+
+#: a durable save is started no sooner than this share above its completion time
+QUEUE_MARGIN = 1.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutopilotOptions:
+    """Options of ``Checkpointer(every_seconds="auto", autopilot=...)``.
+
+    Args:
+        failure_model: The prior failure rate (per-GPU AFR or fleet MTBF, as ``plan`` takes
+            them); ``None``: the conservative default of
+            :func:`~dcp_volumes.goodput.default_prior` for the run's world size.
+        prior_weight: How many observed interruptions the prior counts as.
+        min_interval_s, max_interval_s: Bounds on the seconds between durable saves.
+        change_threshold: A new interval replaces the current one only when it differs by
+            more than this share.
+        window: How many of the newest saves and restores the medians use.
+        initial_interval_s: The interval before any save of this run was measured (the
+            first save then measures ``δ``).
+    """
+
+    failure_model: FailureModel | None = None
+    prior_weight: float = DEFAULT_PRIOR_WEIGHT
+    min_interval_s: float = 1.0
+    max_interval_s: float = 6 * 3600.0
+    change_threshold: float = 0.1
+    window: int = 8
+    initial_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.failure_model is not None and not isinstance(self.failure_model, FailureModel):
+            raise ConfigError("failure_model must be a dcp_volumes.goodput.FailureModel or None")
+        positive("prior_weight", self.prior_weight, at_most=1000.0)
+        lo = positive("min_interval_s", self.min_interval_s, at_most=MAX_DURATION_S)
+        hi = positive("max_interval_s", self.max_interval_s, at_most=MAX_DURATION_S)
+        if lo > hi:
+            raise ConfigError(f"min_interval_s ({lo:g}) is above max_interval_s ({hi:g})")
+        positive("initial_interval_s", self.initial_interval_s, at_most=MAX_DURATION_S)
+        if not 0 <= self.change_threshold < 1:
+            raise ConfigError(f"change_threshold must be in [0, 1), got {self.change_threshold}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError(f"window must be a whole number >= 1, got {self.window!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredCosts:
+    """Medians of the run's newest samples (None: not measured yet)."""
+
+    durable_blocking_s: float | None
+    durable_background_s: float
+    local_blocking_s: float | None
+    local_background_s: float
+    restart_s: float
+    local_restore_s: float | None
+    store_restore_s: float | None
+    local_survives: float
+    saves: int
+    restores: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
+    """The costs in ``record``: medians of the newest ``window`` samples of each kind."""
+    def newest(kind: str) -> list[Any]:
+        return [s for s in record.saves if s.kind == kind][-window:]
+
+    durable, local = newest("durable"), newest("local-only")
+    restores = record.restores[-window:]
+    by_source = {src: [r.restore_s for r in restores if r.source == src]
+                 for src in ("local", "store")}
+    from_local = len(by_source["local"])
+    return MeasuredCosts(
+        durable_blocking_s=_median([s.blocking_s for s in durable]),
+        durable_background_s=_median([s.background_s for s in durable]) or 0.0,
+        local_blocking_s=_median([s.blocking_s for s in local]),
+        local_background_s=_median([s.background_s for s in local]) or 0.0,
+        restart_s=_median([r.start_to_train_s for r in restores]) or 0.0,
+        local_restore_s=_median(by_source["local"]),
+        store_restore_s=_median(by_source["store"]),
+        # Beta(1, 1) prior: a half until resumes say otherwise
+        local_survives=min((1 + from_local) / (2 + len(restores)), 0.95),
+        saves=len(record.saves), restores=len(record.restores),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoInterval:
+    """The cadences chosen, and why."""
+
+    every_s: float
+    local_every_s: float | None
+    work_s: float
+    delta_s: float | None
+    upload_s: float
+    restart_s: float
+    mttf_s: float
+    formula: str
+    reason: str
+    predicted_goodput: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["mttf_s"] = finite_or_none(self.mttf_s)
+        return d
+
+
+def _clamp(seconds: float, floor: float, options: AutopilotOptions) -> tuple[float, str]:
+    """``seconds`` within the bounds; ``max_interval_s`` wins over the floor (a save that
+    takes longer than the longest interval allowed is a measurement to distrust, or a store
+    to fix: saves then queue, and the reason says so)."""
+    hi = options.max_interval_s
+    lo = min(max(options.min_interval_s, floor), hi)
+    if floor > hi:
+        return hi, ("capped at max_interval_s although a durable save takes longer to "
+                    "complete (δ + U): saves will queue")
+    if not math.isfinite(seconds) or seconds > hi:
+        return hi, "capped at max_interval_s"
+    if seconds < lo:
+        return lo, ("raised to a durable save's completion time (δ + U) so saves do not queue"
+                    if floor >= options.min_interval_s else "raised to min_interval_s")
+    return seconds, "optimum"
+
+
+def choose_interval(costs: MeasuredCosts, estimate: FailureEstimate, options: AutopilotOptions,
+                    *, local_tier: bool) -> AutoInterval:
+    """The cadences for ``costs`` and ``estimate`` (before smoothing)."""
+    m = estimate.mttf_s
+    delta = costs.durable_blocking_s
+    if delta is None:
+        every = min(max(options.initial_interval_s, options.min_interval_s),
+                    options.max_interval_s)
+        return AutoInterval(every_s=every, local_every_s=None, work_s=every, delta_s=None,
+                            upload_s=0.0, restart_s=costs.restart_s, mttf_s=m,
+                            formula="none yet", predicted_goodput=None,
+                            reason="no save measured yet: the first save measures δ")
+    delta = max(delta, 1e-3)
+    upload = costs.durable_background_s
+    floor = QUEUE_MARGIN * (delta + upload)
+    if local_tier:
+        return _two_level(costs, delta, upload, floor, m, options)
+    tau = math.sqrt(2.0 * delta * m) if math.isfinite(m) else math.inf
+    every, why = _clamp(tau + delta, floor, options)
+    work = max(every - delta, 1e-3)
+    restart = costs.restart_s + upload
+    return AutoInterval(
+        every_s=every, local_every_s=None, work_s=work, delta_s=delta, upload_s=upload,
+        restart_s=restart, mttf_s=m, reason=why,
+        formula=f"Young: τ = √(2δM) = √(2·{delta:.3g}·{m:.4g}) = {tau:.4g} s of work",
+        predicted_goodput=expected_goodput(work, checkpoint_cost_s=delta, mttf_s=m,
+                                           restart_cost_s=restart))
+
+
+def _two_level(costs: MeasuredCosts, delta: float, upload: float, floor: float, m: float,
+               options: AutopilotOptions) -> AutoInterval:
+    dl = costs.local_blocking_s
+    if dl is None or not math.isfinite(m):
+        every, why = _clamp(math.sqrt(2.0 * delta * m) + delta, floor, options)
+        return AutoInterval(every_s=every, local_every_s=every / 2, work_s=every - delta,
+                            delta_s=delta, upload_s=upload, restart_s=costs.restart_s,
+                            mttf_s=m, formula="Young on durable saves; local at half of it",
+                            reason=f"{why}; no local-only save measured yet: one between "
+                            "durable saves measures δ_L", predicted_goodput=None)
+    tiers = TierCosts(local_save_s=max(min(dl, delta), 1e-3), remote_save_s=delta,
+                      local_survives=costs.local_survives,
+                      local_complete_s=costs.local_background_s, remote_complete_s=upload,
+                      local_restore_s=costs.local_restore_s or 0.0,
+                      remote_restore_s=costs.store_restore_s or 0.0,
+                      restart_s=costs.restart_s)
+    tl, tr = two_level_intervals_s(costs=tiers, mttf_s=m)
+    every, why = _clamp(tr + delta, floor, options)
+    local_every = None if tl >= tr else max(min(tl + dl, every), options.min_interval_s)
+    return AutoInterval(
+        every_s=every, local_every_s=local_every, work_s=max(every - delta, 1e-3),
+        delta_s=delta, upload_s=upload, restart_s=costs.restart_s, mttf_s=m, reason=why,
+        formula=(f"two-level: τ_L = √(2δ_L·M/p) = {tl:.4g} s, τ_R = √(2(δ_R−δ_L)·M/(1−p)) "
+                 f"= {tr:.4g} s (δ_L {dl:.3g}, δ_R {delta:.3g}, p {costs.local_survives:.2f})"),
+        predicted_goodput=None)
+
+
+def settle_interval(previous: AutoInterval | None, new: AutoInterval,
+           options: AutopilotOptions) -> AutoInterval:
+    """``new`` when it differs from ``previous`` by more than the threshold (or the reason
+    for the interval changed class), else ``previous``."""
+    if previous is None or previous.delta_s is None:
+        return new
+    if (previous.local_every_s is None) != (new.local_every_s is None):
+        return new
+    ratio = new.every_s / previous.every_s
+    if abs(ratio - 1.0) > options.change_threshold:
+        return new
+    return previous
