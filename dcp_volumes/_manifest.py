@@ -331,7 +331,8 @@ def load_metadata(data: bytes, *, where: str) -> Metadata:
         if isinstance(path, str) and path in checked:
             continue
         checked.add(check_relative_path(path))
-    check_metadata(metadata, where)
+    with paused_gc():  # a set of every stored location: as many objects as items
+        check_metadata(metadata, where)
     return metadata
 
 

@@ -43,6 +43,10 @@ def _natural(value: Any) -> bool:
 
 
 def _dims(value: Any) -> bool:
+    """A shape: a tuple of at most :data:`MAX_DIMS` non-negative 64-bit integers."""
+    if type(value) is torch.Size:  # what torch writes; it holds only ints
+        return len(value) <= MAX_DIMS and (not value or (min(value) >= 0
+                                                         and max(value) < _LIMIT))
     return isinstance(value, tuple) and len(value) <= MAX_DIMS and all(map(_natural, value))
 
 
@@ -62,38 +66,41 @@ def check_metadata(metadata: Any, where: str) -> None:
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(items, dict) or not isinstance(storage, dict):
         raise _bad(where, "its items or their stored locations are not maps")
+    located: set[tuple[str, Any]] = set()
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        if type(index) is not MetadataIndex or type(index.fqn) is not str:
             raise _bad(where, "a stored location is not keyed by an item")
         if not _natural(getattr(info, "offset", None)) \
                 or not _natural(getattr(info, "length", None)):
             raise _bad(where, f"item {index.fqn[:200]!r} has a stored offset or length that "
                               "is not a non-negative 64-bit integer")
+        located.add((index.fqn, index.offset))
     for fqn, md in items.items():
-        if not isinstance(fqn, str):
+        if type(fqn) is not str:
             raise _bad(where, "an item's name is not a string")
-        if isinstance(md, BytesStorageMetadata):
-            if MetadataIndex(fqn) not in storage:
+        if type(md) is TensorStorageMetadata:
+            check_tensor_item(fqn, md, located, where)
+        elif type(md) is BytesStorageMetadata:
+            if (fqn, None) not in located:
                 raise _bad(where, f"item {fqn[:200]!r} has no stored location")
-        elif isinstance(md, TensorStorageMetadata):
-            check_tensor_item(fqn, md, storage, where)
         else:
             raise _bad(where, f"item {fqn[:200]!r} is neither a tensor nor a stored object")
 
 
-def check_tensor_item(fqn: str, md: TensorStorageMetadata, storage: dict[Any, Any],
+def check_tensor_item(fqn: str, md: TensorStorageMetadata, located: set[tuple[str, Any]],
                       where: str) -> None:
-    """One tensor item: its dtype, shape and chunks (see the module's docstring)."""
+    """One tensor item: its dtype, shape and chunks (see the module's docstring);
+    ``located``: the ``(fqn, offsets)`` of every stored location."""
     name = repr(fqn[:200])
     dtype = getattr(getattr(md, "properties", None), "dtype", None)
-    if not isinstance(dtype, torch.dtype):
+    if type(dtype) is not torch.dtype:
         raise _bad(where, f"tensor {name} has no torch dtype")
     size = md.size
     if not _dims(size):
         raise _bad(where, f"tensor {name} has a shape that is not a list of at most "
                           f"{MAX_DIMS} non-negative 64-bit integers")
     numel = math.prod(size)
-    if math.prod(max(d, 1) for d in size) * dtype.itemsize >= _LIMIT:
+    if (numel or math.prod(max(d, 1) for d in size)) * dtype.itemsize >= _LIMIT:
         raise _bad(where, f"tensor {name} has a shape {tuple(size)} too large for any tensor")
     chunks = md.chunks
     if not isinstance(chunks, list):
@@ -106,13 +113,17 @@ def check_tensor_item(fqn: str, md: TensorStorageMetadata, storage: dict[Any, An
                 or len(sizes) != len(size):
             raise _bad(where, f"tensor {name} has a chunk whose offsets or sizes do not "
                               f"match its {len(size)} dimensions")
-        if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+        elements = math.prod(sizes)
+        if not elements:
+            continue  # an empty shard (a rank with no rows): no read ever overlaps it
+        if sizes != size and any(o + n > d for o, n, d in zip(offsets, sizes, size)) \
+                or sizes == size and any(offsets):
             raise _bad(where, f"tensor {name} of shape {tuple(size)} has a chunk at "
                               f"{tuple(offsets)} of {tuple(sizes)} that lies outside it")
-        if MetadataIndex(fqn, offsets) not in storage:
+        if (fqn, offsets) not in located:
             raise _bad(where, f"tensor {name} has a chunk at {tuple(offsets)} with no stored "
                               "location")
-        volume += math.prod(sizes)
+        volume += elements
     if volume != numel:
         raise _bad(where, f"the chunks of tensor {name} hold {volume} elements, its shape "
                           f"{tuple(size)} has {numel}")

@@ -184,6 +184,20 @@ def test_an_honest_checkpoint_still_loads(saved: Path) -> None:
     assert reader.last_stats is not None and reader.last_stats.verified
 
 
+def test_an_empty_chunk_is_accepted_wherever_it_sits(saved: Path, tmp_path: Path) -> None:
+    """A rank with no rows of a sharded tensor saves an empty chunk, at the tensor's end (or
+    past it): no read overlaps it, so it is not refused as lying outside the tensor."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved, path)
+    _metadata(lambda md: md.state_dict_metadata["small"].chunks.append(
+        ChunkStorageMetadata(offsets=torch.Size([9]), sizes=torch.Size([0]))))(path)
+    out = _state(0.0)
+    dcp_volumes.load(out, str(path), no_dist=True)
+    assert torch.equal(out["small"], _state()["small"])
+
+
 # ---- safetensors headers (finding 9) ------------------------------------------------------
 def _header(body: bytes, data: int = 0) -> bytes:
     return struct.pack("<Q", len(body)) + body + b"\0" * data
