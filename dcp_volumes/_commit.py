@@ -43,8 +43,10 @@ __all__ = [
     "mark_live",
     "objects_of",
     "objects_of_current_save",
+    "parse_manifest",
     "read_committed",
     "read_manifest",
+    "read_manifest_bytes",
     "read_metadata_bytes",
     "remove_quietly",
 ]
@@ -124,6 +126,19 @@ async def read_manifest(backend: Backend, metadata: Metadata,
     save_id = volume_save_id(metadata)
     if save_id is None:
         return None
+    data = await read_manifest_bytes(backend, save_id, stats)
+    return parse_manifest(data, save_id=save_id, where=backend.object_url(
+        _layout.manifest_name(save_id)))
+
+
+async def read_manifest_bytes(backend: Backend, save_id: str,
+                              stats: CallStats | None = None) -> bytes:
+    """The bytes of save ``save_id``'s manifest, bounded by :data:`MAX_MANIFEST_BYTES`.
+
+    Raises:
+        IntegrityError: the manifest is missing.
+        UnsafeCheckpointError: it is larger than a manifest may be.
+    """
     name = _layout.manifest_name(save_id)
     try:
         size = await backend.size(name, stats=stats)
@@ -131,15 +146,24 @@ async def read_manifest(backend: Backend, metadata: Metadata,
             raise errors.UnsafeCheckpointError(
                 f"manifest {name} of {redact_url(backend.url)} is {size} bytes, over the "
                 f"{MAX_MANIFEST_BYTES >> 20} MiB a manifest may have: refusing to read it")
-        data = await backend.cat(name, op="read", stats=stats)
+        return await backend.cat(name, op="read", stats=stats)
     except errors.ObjectNotFoundError:
         raise errors.IntegrityError(
             f"{redact_url(backend.url)} was written by VolumeWriter but its manifest {name} is "
             "missing: the checkpoint was modified or replaced while it was read; load it again, "
             "or an earlier checkpoint"
         ) from None
-    manifest = Manifest.from_json(data, where=backend.object_url(name))
+
+
+def parse_manifest(data: bytes, *, save_id: str, where: str) -> Manifest:
+    """Parse (untrusted) manifest bytes and check that they belong to save ``save_id``.
+
+    Raises:
+        IntegrityError: the bytes are not a valid manifest, or one of another save.
+    """
+    manifest = Manifest.from_json(data, where=where)
     if manifest.save_id != save_id:
+        name = _layout.manifest_name(save_id)
         raise errors.IntegrityError(
             f"manifest {name} belongs to save {manifest.save_id}, not {save_id}")
     return manifest

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_volumes import _compat, _layout, _typed, errors, tier
-from dcp_volumes._commit import read_committed
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest
+from dcp_volumes._shared_commit import read_commit
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
@@ -177,7 +177,10 @@ class VolumeReader(Location, StorageReader):
             return metadata
         stats = CallStats()
         try:
-            committed = read_committed(self._backend(), with_manifest=self.verify, stats=stats)
+            # one read per job inside dcp.load over every rank (rank 0's, shared)
+            committed = read_commit(self._backend(), with_manifest=self.verify, stats=stats,
+                                    share=self.cooperative is not False,
+                                    timeout_s=self.cooperative_timeout_s)
         except errors.DCPVolumesError as exc:
             # dcp.load folds this into an AssertionError message; keep the typed error for
             # dcp_volumes.load (and anyone holding the reader) to raise.
@@ -282,6 +285,13 @@ class VolumeReader(Location, StorageReader):
         ), url)
 
     @property
+    def _sizes(self) -> dict[str, int] | None:
+        """The shard files' sizes the checked manifest holds (no HEAD per file and rank)."""
+        if self._manifest is None:
+            return None
+        return {name: entry.size for name, entry in self._manifest.files.items()}
+
+    @property
     def _verified(self) -> bool:
         """Whether this load checks stored bytes against checksums (a manifest)."""
         return self._manifest is not None
@@ -306,7 +316,7 @@ class VolumeReader(Location, StorageReader):
             max_concurrency=self.transfer.max_concurrency,
             part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
             timeout_s=self.cooperative_timeout_s, local_files=self._local,
-            store=self._local_commit is None,
+            store=self._local_commit is None, sizes=self._sizes,
         )
         needs: list[Need] = []
         local = tier.LocalRead()
@@ -372,7 +382,7 @@ class VolumeReader(Location, StorageReader):
         backend = self._backend()
         ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
                              max_size=self.transfer.max_range_size)
-        check_store(backend, ranges, url)
+        check_store(backend, ranges, url, self._sizes)
         fetched = serve_store(
             backend, ranges, url=url,
             apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,12 +142,16 @@ def fetch_ranges(
 
 def check_extents(backend: Backend, ranges: list[RangeRequest],
                   on_missing: Callable[[RangeRequest, BaseException], BaseException],
-                  on_short: Callable[[RangeRequest, int], BaseException]) -> None:
-    """Check every planned range against its object's real size before any GET.
+                  on_short: Callable[[RangeRequest, int], BaseException],
+                  sizes: Mapping[str, int] | None = None) -> None:
+    """Check every planned range against its object's size before any GET.
 
-    One size lookup per file (concurrent): a range past the end of its object means the
-    checkpoint is truncated, or its metadata claims lengths it does not have, and nothing
-    is fetched for it (so a crafted length cannot make a reader issue unbounded requests).
+    The size is the one ``sizes`` holds for the file (the checked manifest's: no request),
+    else one size lookup per file (concurrent): a range past the end of its object means
+    the checkpoint is truncated, or its metadata claims lengths it does not have, and
+    nothing is fetched for it (so a crafted length cannot make a reader issue unbounded
+    requests). An object shorter than its manifest says fails the check of the bytes that
+    arrive (a short read), missing it fails the GET.
 
     Raises:
         what ``on_missing(range, error)`` returns for a missing object, or ``on_short(range,
@@ -158,8 +162,15 @@ def check_extents(backend: Backend, ranges: list[RangeRequest],
         if r.relative not in ends or r.end > ends[r.relative].end:
             ends[r.relative] = r
 
+    known = sizes or {}
+
+    async def _size(relative: str) -> int | None:
+        if relative in known:
+            return known[relative]
+        return await backend.size(relative)
+
     async def _sizes() -> list[int | None]:
-        return list(await asyncio.gather(*(backend.size(rel) for rel in ends)))
+        return list(await asyncio.gather(*(_size(rel) for rel in ends)))
 
     for (relative, last), size in zip(ends.items(), backend.run(_sizes)):
         if size is None:

@@ -18,7 +18,7 @@ before it is applied, and a span that fails its check is never applied.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +64,10 @@ def truncated_object(url: str, rng: RangeRequest, size: int) -> errors.Integrity
     )
 
 
-def check_store(backend: Backend, ranges: list[RangeRequest], url: str) -> None:
-    """Every range against its object's size, before any GET (one size lookup per file).
+def check_store(backend: Backend, ranges: list[RangeRequest], url: str,
+                sizes: Mapping[str, int] | None = None) -> None:
+    """Every range against its object's size, before any GET: the manifest's (``sizes``),
+    else one size lookup per file.
 
     Raises:
         IntegrityError: an object is missing (:func:`missing_object`), or shorter than a
@@ -73,7 +75,7 @@ def check_store(backend: Backend, ranges: list[RangeRequest], url: str) -> None:
     """
     if ranges:
         check_extents(backend, ranges, lambda rng, _exc: missing_object(url, rng),
-                      lambda rng, size: truncated_object(url, rng, size))
+                      lambda rng, size: truncated_object(url, rng, size), sizes)
 
 
 def serve_store(

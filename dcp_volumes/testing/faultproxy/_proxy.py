@@ -80,6 +80,7 @@ class FaultProxy(StartStop):
         self._active = 0
         self._requests = 0
         self._faults = 0
+        self._log: list[tuple[str, str]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._aserver: Any = None
@@ -253,10 +254,23 @@ class FaultProxy(StartStop):
             for limit in self._rate_limits:
                 limit.reset()
 
+    def record_requests(self) -> None:
+        """Start (or restart) a log of every request that reaches the proxy, as
+        ``(method, target)``: requests counted at the store, by what arrived there."""
+        with self._lock:
+            self._log = []
+
+    def recorded_requests(self) -> list[tuple[str, str]]:
+        """The requests logged since :meth:`record_requests` (empty when not recording)."""
+        with self._lock:
+            return list(self._log or [])
+
     def _select(self, method: str, target: str, fields: Mapping[str, str]) -> FaultRule | None:
         """The rule that answers this request: a fault rule, else a rate limit's answer."""
         with self._lock:
             self._requests += 1
+            if self._log is not None:
+                self._log.append((method, target))
             for state in self._rules:
                 if state.take(method, target, fields):
                     self._faults += 1

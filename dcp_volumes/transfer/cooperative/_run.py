@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,14 +99,16 @@ class CooperativeRead:
             ``local`` are read from there).
         store: whether the store holds the save (False for a local-only save: a local copy
             that fails its check then fails the load instead of being fetched).
+        sizes: the shard files' sizes from the checked manifest (no size lookups for them).
     """
 
     def __init__(self, assignment: Assignment, *, url: str, planner: LoadPlanner,
                  trusted: tuple[Any, ...], max_concurrency: int, part_size: int,
                  max_range_size: int, timeout_s: float,
                  local_files: dict[str, tier.LocalFile] | None = None,
-                 store: bool = True) -> None:
+                 store: bool = True, sizes: Mapping[str, int] | None = None) -> None:
         self.a = assignment
+        self.sizes = sizes
         self.url = url
         self.planner = planner
         self.trusted = trusted
@@ -262,7 +265,7 @@ class CooperativeRead:
                                            max_size=min(self.part_size, self.max_range_size))
         everything = [r for rs in self.ranges.values() for r in rs]
         if everything:
-            check_store(self.backend, everything, self.url)
+            check_store(self.backend, everything, self.url, self.sizes)
 
     def _destinations(self, rnd: int, st: _Round) -> None:
         """Where each byte this rank receives in round ``rnd`` goes: a tensor's raw bytes
@@ -338,7 +341,7 @@ class CooperativeRead:
         if failed:
             extra = plan_ranges(failed, gap=0,
                                 max_size=min(self.part_size, self.max_range_size))
-            check_store(self.backend, extra, self.url)
+            check_store(self.backend, extra, self.url, self.sizes)
             ranges = ranges + extra
         self.fig.ranges += len(ranges)
 
