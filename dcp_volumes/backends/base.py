@@ -25,6 +25,7 @@ import fsspec.asyn
 
 from dcp_volumes import errors
 from dcp_volumes.backends.pacing import StoreThrottle, store_throttle
+from dcp_volumes.backends.probe import round_trip_s as measure_round_trip
 from dcp_volumes.backends.records import (
     Attempts,
     CallStats,
@@ -313,19 +314,12 @@ class Backend:
     has_probe: ClassVar[bool] = False
 
     async def round_trip_s(self, samples: int = 3) -> float | None:
-        """The fastest of ``samples`` cheap requests to the store, in seconds; ``None`` where
-        the store has no probe or one fails (a probe never fails a save)."""
+        """The fastest of ``samples`` cheap requests to the store, in seconds, measured once
+        per process and store (:mod:`~dcp_volumes.backends.probe`); ``None`` where the store
+        has no probe or one fails (a probe never fails a save)."""
         if not self.has_probe:
             return None
-        best = float("inf")
-        for _ in range(samples):
-            started = time.monotonic()
-            try:
-                await self._ping()
-            except Exception:  # noqa: BLE001 — only a hint; the save's own requests report errors
-                return None
-            best = min(best, time.monotonic() - started)
-        return best
+        return await measure_round_trip(self._ping, self.store_key, samples)
 
     # ---- raw single-attempt operations (overridden per store) ---------------------------
     async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:

@@ -145,6 +145,38 @@ class S3Backend(Backend):
             pass  # completed or aborted meanwhile
 
 
+    #: keys one DeleteObjects request removes (S3's limit)
+    delete_batch: ClassVar[int] = 1000
+
+    async def remove(self, relatives: list[str]) -> None:
+        """Delete objects with DeleteObjects, :attr:`delete_batch` keys a request (a
+        checkpoint's objects in one request, where a DELETE each made one per object);
+        missing ones are fine."""
+        if not relatives:
+            return
+        s3 = await self.client()
+        keys = [self.path(r).partition("/")[2] for r in relatives]
+        n = self.delete_batch
+        await asyncio.gather(*(
+            self.call(functools.partial(self._delete_batch, s3, keys[i:i + n]), op="delete",
+                      url=self.url)
+            for i in range(0, len(keys), n)))
+        self.fs.invalidate_cache(self.root)
+
+    async def _delete_batch(self, s3: Any, keys: list[str]) -> None:
+        """One DeleteObjects request; a key it could not delete raises as its own request
+        would have (translated and retried at the choke point: deleting again is harmless)."""
+        from botocore.exceptions import ClientError
+
+        out = await s3.delete_objects(Bucket=self.bucket, Delete={
+            "Objects": [{"Key": k} for k in keys], "Quiet": True})
+        failed = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
+        if failed:
+            raise ClientError({"Error": {"Code": failed[0].get("Code"),
+                                         "Message": failed[0].get("Message", "")}},
+                              "DeleteObjects")
+
+
 class PartBody(io.BytesIO):
     """A seekable read-only view of a part's bytes for an HTTP request body, with no copy.
 
