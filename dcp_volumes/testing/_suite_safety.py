@@ -264,6 +264,36 @@ class SafetyTests(SuiteBase):
         assert isinstance(err, errors.IntegrityError) and "truncated" in str(err), err
         assert time.monotonic() - start < 60  # one size lookup, not 4 TiB of GETs
 
+    @pytest.mark.parametrize("case", ["shape-[0,10**30]", "chunk-outside-tensor",
+                                      "metadata-dtype-lies", "manifest-dtype-lies"])
+    def test_crafted_shapes_and_lying_dtypes_are_typed(self, store: Store, case: str) -> None:
+        """Issue 25 (findings 8, 9): a crafted ``.metadata`` shape or chunk was a ``ValueError``
+        or ``KeyError`` from torch's planner (an ``AssertionError`` message through
+        ``dcp.load``), and a dtype that lies loaded reinterpreted values, verified. Each is
+        an ``IntegrityError``, carried itself inside DCP's ``CheckpointException``."""
+        url = store.url()
+        big = torch.arange(1 << 20, dtype=torch.float32)  # a block layout: dtype in the manifest
+        save_with({"w": big}, url, store)
+        fs, root = store.raw_fs, store.raw_path(url)
+        if case == "manifest-dtype-lies":
+            (name,) = [n for n in store.names(url) if n.startswith(".dcpv-manifest-")]
+            fs.pipe_file(f"{root}/{name}", fs.cat_file(f"{root}/{name}").replace(
+                b'"dtype":"float32"', b'"dtype":"int32"'))
+        else:
+            metadata = pickle.loads(fs.cat_file(f"{root}/.metadata"))
+            item = metadata.state_dict_metadata["w"]
+            if case == "shape-[0,10**30]":
+                item.size = torch.Size([0, 10**30])
+            elif case == "chunk-outside-tensor":
+                item.chunks[0].offsets = torch.Size([5])
+            else:
+                item.properties.dtype = torch.int32
+            fs.pipe_file(f"{root}/.metadata", pickle.dumps(metadata))
+        with pytest.raises(CheckpointException) as info:
+            load_with({"w": torch.zeros(1 << 20)}, url, store)
+        (err,) = failures_of(info.value)
+        assert isinstance(err, errors.IntegrityError), repr(err)
+
 
 class Payload:
     """An object whose unpickling runs a command (a hostile non-tensor item)."""
