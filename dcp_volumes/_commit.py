@@ -17,6 +17,7 @@ Writer, reader, catalog and gc call these functions; none of them re-implements 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "end_live",
     "is_committed_by",
     "mark_live",
+    "metadata_version",
     "objects_of",
     "objects_of_current_save",
     "parse_manifest",
@@ -187,6 +189,11 @@ def read_committed(backend: Backend, *, with_manifest: bool = True,
     return Committed(metadata, metadata_save_id(metadata), ours, manifest)
 
 
+def metadata_version(data: bytes) -> str:
+    """The identity of a ``.metadata``'s content (a replacement names the one it replaces)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def objects_of(metadata: Metadata) -> set[str]:
     """The objects a committed save consists of: its shards and its manifest."""
     names = {info.relative_path for info in metadata.storage_data.values()}
@@ -246,20 +253,67 @@ async def _commit_metadata(backend: Backend, metadata_bytes: bytes, *, exclusive
         ) from None
 
 
+async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: str,
+                           save_id: str, stats: CallStats) -> None:
+    """Replace the damaged ``.metadata`` whose content is ``damaged`` by this save's.
+
+    Of saves racing to replace the same damaged ``.metadata`` exactly one wins: each first
+    creates a claim named after it (conditional create), and the winner replaces
+    ``.metadata`` only if it is still that damaged one. A reader sees the damaged
+    ``.metadata`` or this save's, complete: never a mix. A claim left by a killed save is a
+    ``.metadata.*.tmp`` that gc removes.
+    """
+    claim = f"{METADATA}.replacing-{damaged[:32]}.tmp"
+    taken = f"{redact_url(backend.url)}'s damaged .metadata was replaced by another save"
+    try:
+        await backend.commit(claim, save_id.encode(), exclusive=True, save_id=save_id,
+                             stats=stats)
+    except errors.CheckpointExistsError:
+        if await _read_or_none(backend, claim) != save_id.encode():  # not our own retry
+            raise errors.CheckpointExistsError(
+                f"{taken} (or is being replaced: {claim}); this save's shards were removed. "
+                "Use a new path, or overwrite=True") from None
+    try:
+        if metadata_version(await backend.cat(METADATA, op="read", stats=stats)) != damaged:
+            raise errors.CheckpointExistsError(
+                f"{taken} while this one uploaded; this save's shards were removed. Use a new "
+                "path, or overwrite=True to replace it")
+        await backend.commit(METADATA, metadata_bytes, exclusive=False, save_id=save_id,
+                             stats=stats)
+    finally:
+        await remove_quietly(backend, [claim])
+
+
+async def _read_or_none(backend: Backend, name: str) -> bytes | None:
+    try:
+        return await backend.cat(name, op="read")
+    except errors.DCPVolumesError:
+        return None
+
+
 async def commit(backend: Backend, *, manifest: Manifest, metadata_bytes: bytes,
-                 overwrite: bool, stats: CallStats) -> list[str]:
+                 overwrite: bool, stats: CallStats, replaces: str | None = None) -> list[str]:
     """Commit one save: the manifest, then ``.metadata`` last.
 
     Returns the objects of the save this one superseded (``overwrite``), for the caller to
     remove once the commit is done. On a lost race or an unknown outcome that is not ours,
-    this save's own objects are removed before the error propagates.
+    this save's own objects are removed before the error propagates. ``replaces``: the
+    :func:`metadata_version` of a damaged ``.metadata`` found before the save (not a
+    complete checkpoint: see :mod:`dcp_volumes._complete`); if the conditional create finds
+    it still there, it is replaced (:func:`_replace_damaged`), else the race is lost.
     """
     ours = [*manifest.files, _layout.manifest_name(manifest.save_id)]
     superseded = await objects_of_current_save(backend) if overwrite else []
     await backend.put(_layout.manifest_name(manifest.save_id), manifest.to_json(), stats=stats)
     try:
-        await _commit_metadata(backend, metadata_bytes, exclusive=not overwrite,
-                               save_id=manifest.save_id, stats=stats)
+        try:
+            await _commit_metadata(backend, metadata_bytes, exclusive=not overwrite,
+                                   save_id=manifest.save_id, stats=stats)
+        except errors.CheckpointExistsError:
+            if replaces is None or overwrite:
+                raise
+            await _replace_damaged(backend, metadata_bytes, damaged=replaces,
+                                   save_id=manifest.save_id, stats=stats)
     except errors.CheckpointExistsError:
         await remove_quietly(backend, ours)
         raise

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_volumes import _commit, _compat, _layout, errors
+from dcp_volumes._complete import completeness
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest, manifest_of, paused_gc, set_save_id
 from dcp_volumes._shards import ShardFiles, claim_shard_id, item_nbytes, spool_items
@@ -207,12 +208,10 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                     for i, p in enumerate(plans)]
         backend = self._backend()
 
-        async def _check() -> bool:
-            await backend.check_bucket()
-            return await backend.exists(_layout.METADATA)
-
-        exists = backend.run(_check)
-        if exists and not self.overwrite:
+        backend.run(backend.check_bucket)
+        found = None if self.overwrite else completeness(backend)  # the one definition
+        self._replaces = found.version if found is not None else None  # a damaged .metadata
+        if found is not None and found.complete:
             raise errors.CheckpointExistsError(
                 f"a complete checkpoint exists at {redact_url(self._url)}: pick a new path, "
                 "or pass VolumeWriter(..., overwrite=True) to replace it"
@@ -467,7 +466,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
                 raise
             superseded = backend.run(lambda: _commit.commit(
                 backend, manifest=manifest, metadata_bytes=metadata_bytes,
-                overwrite=self.overwrite, stats=stats))
+                overwrite=self.overwrite, stats=stats, replaces=self._replaces))
         finally:
             with contextlib.suppress(Exception):  # best effort: gc collects a stale record
                 backend.run(lambda: _commit.end_live(backend, save_id))

@@ -13,14 +13,16 @@ rank and broadcasts the answer. Every backend call goes through :class:`~dcp_vol
 so errors are translated in one place.
 
 A checkpoint is *complete* only if it loads: its ``.metadata`` parses safely and, when
-VolumeWriter wrote it, its manifest is there and belongs to the same save. :func:`latest`,
-:func:`apply_retention` and :func:`list_checkpoints` read the newest committed checkpoints
-(newest first, concurrently) to tell; older ones are not read (see ``_listing``).
+VolumeWriter wrote it, its manifest is there and belongs to the same save (the one
+definition, :mod:`dcp_volumes._complete`, which the writer's existence check uses too).
+:func:`latest`, :func:`apply_retention` and :func:`list_checkpoints` read the newest committed
+checkpoints (newest first, concurrently) to tell; older ones are not read (see ``_check``).
 
 Importing this package does not import torch; reading a ``.metadata`` (to check that a
 checkpoint loads, to verify, describe or gc it) and a distributed :func:`latest` do.
 
-Modules: ``_listing`` (listing, grouping, :func:`latest`), ``_retention`` (:func:`remove`,
+Modules: ``_scan`` (one listing, grouped into checkpoints), ``_check`` (reading the newest
+committed checkpoints), ``_listing`` (:func:`list_checkpoints`, :func:`latest`), ``_retention`` (:func:`remove`,
 :func:`apply_retention`), ``_verify``, ``_describe``, ``_gc``, ``_committed`` (reading a
 checkpoint's committed ``.metadata`` and manifest), ``_tiers`` (what a node's local tier
 holds of a run: :func:`local_tier_copies`) and ``_common`` (step patterns, counts,

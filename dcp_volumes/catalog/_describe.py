@@ -11,7 +11,7 @@ from dcp_volumes import _layout
 from dcp_volumes.backends import ObjectInfo, redact_url
 from dcp_volumes.catalog._committed import CommittedSave, load_committed
 from dcp_volumes.catalog._common import open_root, save_id_time
-from dcp_volumes.catalog._listing import list_objects
+from dcp_volumes.catalog._scan import list_objects
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -30,8 +30,8 @@ from dcp_volumes.catalog._common import (
     save_id_in,
     save_id_time,
 )
-from dcp_volumes.catalog._listing import CheckpointInfo, checkpoints_in, group, list_objects
 from dcp_volumes.catalog._retention import delete_checkpoint
+from dcp_volumes.catalog._scan import CheckpointInfo, checkpoints_in, group, list_objects
 
 __all__ = ["GcReport", "gc"]
 

@@ -7,17 +7,18 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from dcp_volumes import _layout, errors
 from dcp_volumes.backends import Backend, ObjectInfo, redact_url
+from dcp_volumes.catalog._check import check_newest
 from dcp_volumes.catalog._common import check_count, compile_step_pattern, is_artifact, open_root
-from dcp_volumes.catalog._listing import (
+from dcp_volumes.catalog._scan import (
     COMMITTED,
     COMPLETE,
     UNREADABLE,
     CheckpointInfo,
-    check_newest,
     checkpoints_in,
     group,
     list_objects,
@@ -65,7 +66,7 @@ def _check_is_one_checkpoint(where: str, objects: list[ObjectInfo]) -> None:
 def remove(
     url: str | os.PathLike[str],
     *,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     dry_run: bool = False,
 ) -> list[str]:
     """Remove one checkpoint: ``.metadata`` first, then every other object.
@@ -138,7 +139,7 @@ def apply_retention(
     *,
     keep_last: int | None = None,
     keep_every: int | None = None,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     step_pattern: str | re.Pattern[str] | None = None,
     dry_run: bool = False,
 ) -> list[str]:

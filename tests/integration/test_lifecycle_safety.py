@@ -37,7 +37,7 @@ from dcp_volumes import (
     TransferOptions,
     VolumeReader,
     VolumeWriter,
-    _commit,
+    _complete,
     _layout,
     catalog,
     errors,
@@ -233,13 +233,14 @@ def test_ls_shows_unreadable_checkpoints_and_reads_only_the_newest(
     _garbage_metadata(local, "step-6")
     local.put(f"step-7/__0_0-{OLD_SAVE_ID}.distcp", b"killed")
     reads: list[str] = []
-    read_committed = _commit.read_committed
+    # every read of a checkpoint goes through the one definition of complete
+    completeness = _complete.completeness
 
     def spy(backend: Any, **kwargs: Any) -> Any:
         reads.append(backend.url.rsplit("/", 1)[-1])
-        return read_committed(backend, **kwargs)
+        return completeness(backend, **kwargs)
 
-    monkeypatch.setattr(_commit, "read_committed", spy)
+    monkeypatch.setattr(_complete, "completeness", spy)
 
     infos = catalog.list_checkpoints(local.root)  # default: the newest 16 are read
     assert [(i.name, i.status, i.complete) for i in infos] == [
