@@ -78,7 +78,7 @@ class Autopilot:
         self._started = process_start_wall() if started is None else started
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
-        gpus = dist.get_world_size() if distributed else 1
+        self._gpus = gpus = dist.get_world_size() if distributed else 1
         model = self.options.failure_model
         self.prior = (FailurePrior.from_model(model, weight=self.options.prior_weight)
                       if model is not None else default_prior(gpus,
@@ -191,6 +191,7 @@ class Autopilot:
             record = read_run_record(self._root, self._storage_options, self._retry)
         if record is None:
             record = RunRecord(root=self._record_root())
+        record.gpus = self._gpus
         now = self._wall()
         # a second Checkpointer in one process starts when it begins, not with the process
         started = self._started if not record.incarnations or (

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from dcp_volumes.goodput._checks import MAX_DURATION_S
+from dcp_volumes.goodput._checks import MAX_DURATION_S, MAX_GPUS
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -90,6 +90,7 @@ class RunRecord:
 
     root: str
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    gpus: int = 1
     saves: list[SaveSample] = field(default_factory=list)
     restores: list[RestoreSample] = field(default_factory=list)
     incarnations: list[Incarnation] = field(default_factory=list)
@@ -238,8 +239,9 @@ def parse_record(data: bytes, *, root: str) -> tuple[RunRecord | None, list[str]
         record.earlier_interruptions = int(_num(doc.get("earlier_interruptions", 0), 0,
                                                 _MAX_COUNT))
         record.earlier_exposure_s = _duration(doc.get("earlier_exposure_s", 0.0))
+        record.gpus = int(_num(doc.get("gpus", 1), 1, MAX_GPUS))
     except (ValueError, TypeError):
-        problems.append("earlier counts: invalid, dropped")
+        problems.append("earlier counts or gpus: invalid, dropped")
     return record, problems
 
 
