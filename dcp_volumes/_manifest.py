@@ -96,7 +96,8 @@ class ItemEntry:
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"unknown dtype {self.dtype!r}")
-        if self.block_size < 1 or any(x < 0 for x in self.shape) or self.data_offset is None:
+        if (self.block_size < 1 or self.data_offset is None or len(self.shape) > 64
+                or any(not 0 <= x < 2**63 for x in self.shape)):
             raise ValueError("bad block size or shape")
         element = torch.empty((), dtype=dtype).element_size()
         if self.block_size % element:

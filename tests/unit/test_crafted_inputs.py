@@ -92,6 +92,16 @@ def _manifest_dtype(path: Path) -> None:
     manifest.write_text(json.dumps(doc))
 
 
+def _manifest_shape(path: Path) -> None:
+    (manifest,) = path.glob(".dcpv-manifest-*")
+    doc = json.loads(manifest.read_bytes())
+    for entry in doc["files"].values():
+        for row in entry["items"]:
+            if len(row) > 3:
+                row[3]["shape"] = [0, 10**30]  # no bytes, so it fits its item
+    manifest.write_text(json.dumps(doc))
+
+
 def _fifo(pattern: str) -> Callable[[Path], None]:
     def craft(path: Path) -> None:
         (victim,) = path.glob(pattern)
@@ -124,11 +134,12 @@ LOADS: dict[str, tuple[Callable[[Path], None], type[errors.DCPVolumesError]]] = 
     "metadata-dtype-lies-whole": (_metadata(_tensor("small", dtype=torch.int32)),
                                   errors.IntegrityError),
     "manifest-dtype-lies": (_manifest_dtype, errors.IntegrityError),
+    "manifest-shape-[0,10**30]": (_manifest_shape, errors.IntegrityError),
     # finding 6: a FIFO where a file belongs hung the reader
     "fifo-metadata": (_fifo(".metadata"), errors.UnsafeCheckpointError),
     "fifo-manifest": (_fifo(".dcpv-manifest-*"), errors.UnsafeCheckpointError),
-    # a FIFO has size 0: the shard is refused as truncated before it is opened
-    "fifo-shard": (_fifo("__0_0-*.distcp"), errors.IntegrityError),
+    # shard sizes come from the manifest (one commit read per job), so the FIFO is opened
+    "fifo-shard": (_fifo("__0_0-*.distcp"), errors.UnsafeCheckpointError),
 }
 
 
