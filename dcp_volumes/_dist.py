@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from dcp_volumes import errors
 
-__all__ = ["FAILED", "FALLBACK", "OK", "agree", "cpu_group", "uint8_tensor", "wait_all"]
+__all__ = ["FAILED", "FALLBACK", "OK", "agree", "cpu_group", "from_rank0", "gloo_group",
+           "uint8_tensor", "wait_all"]
 
 #: status codes a rank reports at a step (:func:`agree`); a caller may use any code below
 #: ``FAILED`` for its own outcomes
@@ -39,16 +40,61 @@ def uint8_tensor(buf: Any) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def cpu_group(new_gloo: bool) -> Any:
-    """The group to exchange CPU tensors on: the default one (None), or, when its backend
-    cannot carry CPU tensors (NCCL alone), a gloo group over the same ranks, made once per
-    process (``new_group`` is a collective: every rank must get here together)."""
-    if not new_gloo:
+def gloo_group(*, own: bool = False) -> Any:
+    """A gloo group over every rank of the default group: object and CPU-tensor collectives
+    whatever the default backend is (NCCL alone carries no CPU tensors). ``None`` when
+    torch.distributed is not initialized. The one place such a group is made.
+
+    ``own=False``: the process's shared one (made once per default group), for collectives
+    made on the training loop's thread (cooperative loads, listings, resumes). ``own=True``:
+    a new group, for a caller whose collectives must never interleave with another
+    thread's (a Checkpointer's control and background-save groups). Making one is a
+    collective: every rank must get here together.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
         return None
+    if own:
+        return dist.new_group(backend="gloo")
     key = id(dist.group.WORLD)
     if key not in _GLOO_GROUPS:
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
     return _GLOO_GROUPS[key]
+
+
+def cpu_group(new_gloo: bool) -> Any:
+    """The group to exchange CPU tensors on: the default one (None), or, when its backend
+    cannot carry CPU tensors (NCCL alone), the shared gloo group (:func:`gloo_group`)."""
+    return gloo_group() if new_gloo else None
+
+
+def from_rank0(fn: Callable[[], Any], group: Any, distributed: bool = True) -> Any:
+    """``fn()`` on rank 0 of ``group``, its answer -- or its error -- on every rank (one
+    ``broadcast_object_list``; every rank of ``group`` must call it). Not ``distributed``:
+    just ``fn()``.
+
+    Raises:
+        What ``fn`` raised on rank 0 (an error that does not pickle arrives as a
+        :class:`~dcp_volumes.errors.DCPVolumesError` naming its class).
+    """
+    if not distributed:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = (True, fn())
+        except Exception as exc:  # noqa: BLE001 -- every rank must raise it, not hang
+            box[0] = (False, exc)
+    try:
+        dist.broadcast_object_list(box, group_src=0, group=group)
+    except Exception as exc:  # rank 0's error did not pickle
+        raise errors.DCPVolumesError(f"rank 0's answer could not be sent ({type(exc).__name__})"
+                                     ) from exc
+    ok, value = box[0] if isinstance(box[0], tuple) and len(box[0]) == 2 else (False, None)
+    if ok:
+        return value
+    if isinstance(value, BaseException):
+        raise value
+    raise errors.DCPVolumesError("rank 0 sent no answer")
 
 
 def wait_all(works: Sequence[Any], timeout_s: float,

@@ -17,6 +17,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "ObjectNotFoundError",
+    "RootInUseError",
     "SpoolError",
     "StoragePermissionError",
     "UnsafeCheckpointError",
@@ -83,3 +84,8 @@ class BucketNotFoundError(DCPVolumesError, FileNotFoundError):
 
 class ObjectNotFoundError(DCPVolumesError, FileNotFoundError):
     """A single object the operation needed does not exist."""
+
+
+class RootInUseError(DCPVolumesError):
+    """Another run holds the run root (its lease is live): two runs saving under one root
+    would resume from and replace each other's checkpoints."""

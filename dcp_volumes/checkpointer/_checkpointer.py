@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import _compat, catalog, errors
 from dcp_volumes._api import typed_errors
+from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import StoreLocation, redact_url
 from dcp_volumes.checkpointer._autopilot import Autopilot, AutopilotOptions
 from dcp_volumes.checkpointer._background import Pending, watch
@@ -27,9 +28,9 @@ from dcp_volumes.checkpointer._policy import (
     check_options,
     check_step_format,
     retain,
-    step_of_url,
 )
-from dcp_volumes.checkpointer._resume import durable_identity, newest_local_only
+from dcp_volumes.checkpointer._restore import Restorer
+from dcp_volumes.checkpointer._run import RunGuard
 from dcp_volumes.config import (
     LocalTierOptions,
     RetryOptions,
@@ -37,7 +38,6 @@ from dcp_volumes.config import (
     TransferOptions,
     check_local_tier,
 )
-from dcp_volumes.reader import VolumeReader
 from dcp_volumes.stats import LoadStats
 from dcp_volumes.tier import DurableBase, LocalCommit, replicate
 from dcp_volumes.writer import VolumeWriter
@@ -115,6 +115,14 @@ class Checkpointer:
             ``step_format``.
         clock: the monotonic clock ``every_seconds`` / ``local_every_seconds`` are judged by
             (``time.monotonic``; tests and simulations pass their own).
+        run_id: names this run across its restarts (default: ``DCP_VOLUMES_RUN_ID``,
+            ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``, else one id per process). The first
+            save takes a lease on ``root`` for the run; a save while another run holds it
+            raises :class:`~dcp_volumes.errors.RootInUseError` (see ``docs/guarantees.md``).
+
+    Raises:
+        BucketNotFoundError: the bucket or container of ``root`` does not exist (checked
+            with one request on rank 0 at construction).
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class Checkpointer:
         step_pattern: str | re.Pattern[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         autopilot: AutopilotOptions | None = None,
+        run_id: str | None = None,
     ) -> None:
         url = os.fspath(root)
         self.storage_options = StoreLocation.parse(url, storage_options).options
@@ -163,9 +172,9 @@ class Checkpointer:
         self.step_format = step_format
         self.step_pattern = catalog.compile_step_pattern(step_pattern)
         check_step_format(step_format, self.step_pattern)
-        self._init_state()
+        self._init_state(run_id)
 
-    def _init_state(self) -> None:
+    def _init_state(self, run_id: str | None) -> None:
         # one writer per kind of save (the staging buffers belong to the process: shared)
         self._writers: dict[bool, VolumeWriter] = {}
         #: this rank's :class:`~dcp_volumes.LoadStats` of the last :meth:`load_latest`
@@ -185,8 +194,17 @@ class Checkpointer:
         self._ctl_group: dist.ProcessGroup | None = None
         self._save_group: dist.ProcessGroup | None = None
         if self._distributed:
-            self._ctl_group = dist.new_group(backend="gloo")
-            self._save_group = dist.new_group(backend="gloo") if self.async_save else None
+            self._ctl_group = gloo_group(own=True)
+            self._save_group = gloo_group(own=True) if self.async_save else None
+        self._restorer = Restorer(self.root, self.storage_options, self.step_format,
+                                  self.step_pattern, self.transfer, self.retry, self.safe_globals,
+                                  self.local_tier, self._ctl_group, self._distributed,
+                                  self._rank)
+        self._run = RunGuard.open(self.root, run_id, storage_options=self.storage_options,
+                                  retry=self.retry, group=self._ctl_group,
+                                  distributed=self._distributed)
+        #: this run and process (:class:`~dcp_volumes.checkpointer._run.RunIdentity`)
+        self.run = self._run.identity
 
     # the cadences, as the policy holds them
     every_steps = property(lambda self: self.policy.every_steps)
@@ -233,6 +251,16 @@ class Checkpointer:
         return box[0] if box[0] in ("durable", "local-only") else None
 
     # ---- save ----------------------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the root for this run now (the first save does it otherwise): a framework
+        that resumes and then saves calls it before resuming. Collective.
+
+        Raises:
+            RootInUseError: another run holds the root and is alive.
+        """
+        self._check_open()
+        self._run.claim()
+
     def save(self, step: int, state_dict: dict[str, Any], *, force: bool = False,
              local_only: bool | None = None) -> bool:
         """Save ``state_dict`` as checkpoint ``step`` if the policy says so (or ``force``).
@@ -266,6 +294,8 @@ class Checkpointer:
             return False
         local = kind == "local-only"
         self._finish_pending()
+        if not local:  # the root is this run's (taken at the first durable save)
+            self._run.claim()
         url = self.url_for(step)
         writer = self._writer(url, local)
         self._marks.saved(step, self.policy.clock(), durable=not local)
@@ -346,7 +376,7 @@ class Checkpointer:
         if not self._base_known:
             info = catalog.latest(self.root, storage_options=self.storage_options,
                                   step_pattern=self.step_pattern, broadcast=False)
-            self._base = self._identity(info.url) if info is not None else None
+            self._base = self._restorer.identity(info.url) if info is not None else None
             self._base_known = True
         return self._base
 
@@ -384,71 +414,28 @@ class Checkpointer:
 
     # ---- resume --------------------------------------------------------------------------
     def load_latest(self, state_dict: dict[str, Any]) -> int | None:
-        """Load the newest complete checkpoint into ``state_dict`` (in place).
+        """Load the newest complete checkpoint that verifies into ``state_dict`` (in place).
 
-        Lists the root once, on rank 0, and broadcasts the answer. Returns its step, or
-        ``None`` when there is no complete checkpoint (``state_dict`` is left as it is).
+        Lists the root once, on rank 0, and broadcasts the answer. A checkpoint whose data
+        does not match its checksums is skipped with a WARNING naming it, and the next older
+        one is loaded. Returns its step, or ``None`` when there is no complete checkpoint
+        (``state_dict`` is left as it is).
+
+        Raises:
+            IntegrityError: no complete checkpoint verified.
         """
         self._check_open()
         self._finish_pending()
         started = time.monotonic()
-        info = catalog.latest(
-            self.root,
-            storage_options=self.storage_options,
-            step_pattern=self.step_pattern,
-            process_group=self._ctl_group,
-        )
-        local = self._newest_local_only(info)
-        commit: LocalCommit | None = None
-        step: int | None
+        restored = self._restorer.restore(state_dict)
         self._base_known = True
-        if local is not None:
-            step, commit, self._base = local
-            url = self.url_for(step)
-        elif info is not None:
-            step, url = info.step, info.url
-            if self.local_tier is not None and self._rank == 0:
-                self._base = self._identity(url)
-        else:
-            self._base = None
+        self._base = restored.base if restored is not None else None
+        if restored is None:
             return None
-        reader = VolumeReader(url, storage_options=self.storage_options,
-                              transfer=self.transfer, retry=self.retry,
-                              safe_globals=self.safe_globals, local_tier=self.local_tier,
-                              local_commit=commit)
-        with typed_errors(lambda: reader.last_error):
-            dcp.load(state_dict, storage_reader=reader, process_group=self._ctl_group)
-        self.last_load_stats = reader.last_stats
-        self._marks.reset(self.policy.clock(), step)
-        self._autopilot.resumed(started, step, reader.last_stats, commit is not None)
-        logger.info("resumed from %s (step %s%s)", redact_url(url), step,
-                    ", local-only save" if commit is not None else "")
-        return step
-
-    def _identity(self, url: str) -> DurableBase | None:
-        try:
-            return durable_identity(url, self.storage_options, self.retry)
-        except errors.DCPVolumesError as exc:  # the load itself says what is wrong
-            logger.debug("no lineage for %s: %s", redact_url(url), exc)
-            return None
-
-    def _step_of(self, url: str) -> int | None:
-        """The step of a checkpoint URL of this run (None: not one of this run's steps)."""
-        return step_of_url(self.root, url, self.step_pattern, self.url_for)
-
-    def _newest_local_only(self, info: catalog.CheckpointInfo | None
-                           ) -> tuple[int, LocalCommit, DurableBase | None] | None:
-        """The newest local-only save of this run that the whole group holds, newer than
-        the newest durable checkpoint ``info`` and continuing it (the same answer on every
-        rank; see :func:`~dcp_volumes.checkpointer._resume.newest_local_only`)."""
-        if self.local_tier is None:
-            return None
-        durable = (None if info is None else lambda: durable_identity(
-            info.url, self.storage_options, self.retry))
-        return newest_local_only(self.local_tier, step_of=self._step_of,
-                                 durable_step=info.step if info is not None else None,
-                                 durable=durable, group=self._ctl_group,
-                                 distributed=self._distributed)
+        self.last_load_stats = restored.stats
+        self._marks.reset(self.policy.clock(), restored.step)
+        self._autopilot.resumed(started, restored.step, restored.stats, restored.local_only)
+        return restored.step
 
     # ---- lifetime ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -464,6 +451,7 @@ class Checkpointer:
             self._finish_pending()
             self._autopilot.closed()
         finally:
+            self._run.release()
             for writer in self._writers.values():
                 writer.close()
 

@@ -46,6 +46,7 @@ from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.utils import GarbageCollection
 
 from dcp_volumes import catalog, errors
+from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import redact_url
 from dcp_volumes.config import SpoolOptions
 from dcp_volumes.reader import VolumeReader
@@ -135,7 +136,7 @@ class VolumeCheckpointManager(CheckpointManager):
         self.overwrite = config.overwrite
         self.verify = config.verify
         self.spool = SpoolOptions(mode=config.spool_mode, directory=config.spool_dir or None)
-        self._list_group = self.pg if self.pg is not None else _cpu_group()
+        self._list_group = self.pg if self.pg is not None else _listing_group()
         if self.purge_thread is not None:
             # torchtitan's purge thread removes step directories by name, recursively: put
             # ours in its place, fed by the same queue and run by the same loop.
@@ -267,15 +268,12 @@ class VolumeCheckpointManager(CheckpointManager):
             logger.info("Retention removed %s.", redact_url(url))
 
 
-def _cpu_group() -> dist.ProcessGroup | None:
-    """A gloo group for the catalog's broadcast when the default group is not gloo (NCCL);
-    ``None`` (the default group) otherwise. Every rank builds the manager, so every rank
-    joins."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _listing_group() -> dist.ProcessGroup | None:
+    """The group of the catalog's broadcast: the default one when it is gloo (None), else
+    the shared gloo group. Every rank builds the manager, so every rank joins."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
         return None
-    if dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")  # type: ignore[no-any-return]
+    return gloo_group()  # type: ignore[no-any-return]
 
 
 def use_volumes(config: _C, **options: Any) -> _C:

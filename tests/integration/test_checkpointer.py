@@ -144,6 +144,54 @@ def test_save_retain_and_resume(where: tuple[str, dict[str, Any]], async_save: b
     resumed.close()
 
 
+def flip_a_byte(url: str, options: dict[str, Any]) -> None:
+    """Flip one byte of the checkpoint's first shard file, behind the writer's back."""
+    import fsspec
+
+    fs, path = fsspec.url_to_fs(url, skip_instance_cache=True, **options)
+    shard = min(p for p in fs.find(path) if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[5] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(where: tuple[str, dict[str, Any]],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # issue 25, finding 10: a flipped byte in the newest checkpoint stopped the resume
+    root, options = where
+    with Checkpointer(root, storage_options=options) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state_at(step))
+    flip_a_byte(f"{root}/step-00000003", options)
+    assert catalog.latest(root, storage_options=options).step == 3  # cheap: still complete
+    target = state_at(0)
+    with caplog.at_level("WARNING", logger="dcp_volumes"):
+        assert Checkpointer(root, storage_options=options).load_latest(target) == 2
+    assert torch.equal(target["w"], state_at(2)["w"]) and target["extra"]["step"] == 2
+    skipped = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("step-00000003" in m and "damaged" in m and "checksum" in m.lower()
+               for m in skipped), skipped
+    # nothing verifies: the newest one's error, typed
+    flip_a_byte(f"{root}/step-00000002", options)
+    flip_a_byte(f"{root}/step-00000001", options)
+    with pytest.raises(errors.IntegrityError, match="step-00000003"):
+        Checkpointer(root, storage_options=options).load_latest(state_at(0))
+
+
+def test_a_second_run_on_the_root_is_refused(moto: LocalServer) -> None:
+    # issue 25, finding 10: two runs on one root replaced each other's checkpoints
+    root, options = f"s3://ckpt/{uuid.uuid4().hex[:12]}", moto.storage_options()
+    first = Checkpointer(root, storage_options=options, run_id="first")
+    assert first.save(1, state_at(1))
+    second = Checkpointer(root, storage_options=options, run_id="second")
+    with pytest.raises(errors.RootInUseError, match="held by another run: run 'first'"):
+        second.save(1, state_at(100), force=True)
+    assert [i.step for i in catalog.list_checkpoints(root, storage_options=options)] == [1]
+    first.close()  # releases the root
+    assert second.save(2, state_at(2))
+    second.close()
+
+
 def test_load_latest_with_nothing_saved(tmp_path) -> None:
     ckpt = Checkpointer(str(tmp_path / "empty"))
     target = state_at(0)
@@ -168,13 +216,33 @@ def test_async_save_returns_before_the_upload_ends(where: tuple[str, dict[str, A
 # failures surface, never swallowed
 
 
+def remove_bucket(server: LocalServer, bucket: str) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **server.storage_options())
+    if fs.exists(f"{bucket}/run"):
+        fs.rm(f"{bucket}/run", recursive=True)
+    fs.rmdir(bucket)
+
+
+def test_missing_bucket_fails_at_construction(moto: LocalServer) -> None:
+    # issue 25, finding 10: it surfaced only at the first save
+    with pytest.raises(errors.BucketNotFoundError, match="no-such-bucket.*create it"):
+        Checkpointer("s3://no-such-bucket/run", storage_options=moto.storage_options())
+
+
 @pytest.mark.parametrize(
     "surfaced_by", ["next-save", "wait", "close"], ids=["next-save", "wait", "close"]
 )
 def test_failed_background_save_surfaces(moto: LocalServer, surfaced_by: str) -> None:
+    # (the bucket is removed after construction, which checks that it exists)
+    bucket = f"gone-{uuid.uuid4().hex[:8]}"
+    moto.create_bucket(bucket)
     ckpt = Checkpointer(
-        "s3://no-such-bucket/run", storage_options=moto.storage_options(), async_save=True
+        f"s3://{bucket}/run", storage_options=moto.storage_options(), async_save=True
     )
+    ckpt.claim()  # the root's lease is taken: the save's first request is its upload
+    remove_bucket(moto, bucket)
     assert ckpt.save(1, state_at(1))  # returns at once; the upload fails in the background
     # The typed error behind DCP's CheckpointException (kept as its context).
     with pytest.raises(errors.BucketNotFoundError) as info:
@@ -192,7 +260,11 @@ def test_failed_background_save_surfaces(moto: LocalServer, surfaced_by: str) ->
 
 
 def test_failed_sync_save_raises_at_once(moto: LocalServer) -> None:
-    ckpt = Checkpointer("s3://no-such-bucket/run", storage_options=moto.storage_options())
+    bucket = f"gone-{uuid.uuid4().hex[:8]}"
+    moto.create_bucket(bucket)
+    ckpt = Checkpointer(f"s3://{bucket}/run", storage_options=moto.storage_options())
+    ckpt.claim()
+    remove_bucket(moto, bucket)
     with pytest.raises(errors.BucketNotFoundError) as info:
         ckpt.save(1, state_at(1))
     assert isinstance(info.value.__context__, CheckpointException)

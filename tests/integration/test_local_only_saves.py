@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, errors
+from dcp_volumes.checkpointer._run import MARKER
 
 MiB = 1 << 20
 
@@ -42,7 +43,8 @@ def test_local_only_saves_on_one_process(tmp_path: Path) -> None:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2), local_only=True)
         ckpt.save(3, _state(3), local_only=True)
-    assert sorted(os.listdir(tmp_path / "run")) == ["step-00000001"]  # nothing else stored
+    # nothing else stored (but the run's lease, taken by the durable save)
+    assert sorted(os.listdir(tmp_path / "run")) == [MARKER, "step-00000001"]
     # keep_last=2 counts the local-only saves: step 1's local copy is gone
     assert len(list((tmp_path / "tier").glob("*/*/.dcpv-tier-0.json"))) == 2
     state = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0}) for k, v in

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, catalog, errors
+from dcp_volumes.checkpointer._run import MARKER
 from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.tier import url_key
 
@@ -152,7 +153,7 @@ def test_twelve_steps_local_and_durable(tmp_path: Path, async_save: bool) -> Non
         assert _train(ckpt, range(1, 11)) == [2, 4, 6, 8, 10]
     # nothing of a local-only step in the store
     assert store_steps(root) == [6]
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000006"]
+    assert sorted(p.name for p in root.iterdir()) == [MARKER, "step-00000006"]  # + run lease
     assert tier_steps(tier, ckpt, range(1, 13)) == {
         2: "local-only", 4: "local-only", 6: "durable copy", 8: "local-only", 10: "local-only",
     }  # fmt: skip
@@ -252,4 +253,4 @@ def test_two_ranks(tmp_path: Path) -> None:
     assert store_steps(tmp_path / "run-drain") == [1, 2, 3]
     infos = catalog.list_checkpoints(str(root))
     assert [i.step for i in infos] == [6] and infos[0].complete
-    assert os.listdir(root) == ["step-00000006"]
+    assert sorted(os.listdir(root)) == [MARKER, "step-00000006"]  # + the run's lease

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from dcp_volumes import _api, catalog, errors
+from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import parse_url, redact_url
 from dcp_volumes.checkpointer import Checkpointer
 from dcp_volumes.integrations.huggingface._state import (
@@ -124,8 +125,7 @@ class VolumeTrainer(Trainer):
             self._checkpointer = Checkpointer(
                 self.checkpoint_root, keep_last=self.args.save_total_limit,
                 step_format=STEP_FORMAT, step_pattern=STEP_PATTERN, **self._volume_options)
-            if dist.is_available() and dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")
+            self._group = gloo_group()
         return self._checkpointer
 
     @property
