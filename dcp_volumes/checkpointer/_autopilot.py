@@ -72,10 +72,13 @@ class Autopilot:
                  options: AutopilotOptions | None, *, local_tier: bool, enabled: bool = True,
                  wall: Callable[[], float] = time.time, started: float | None = None) -> None:
         self.enabled = enabled
-        self.options = options or AutopilotOptions()
         self._root, self._storage_options, self._retry = root, storage_options, retry
         self._local_tier, self._wall = local_tier, wall
-        self._started = process_start_wall() if started is None else started
+        self.options = options or AutopilotOptions()
+        if started is None:
+            started = self.options.started_at or process_start_wall()
+        self._started = started
+        self._saves_seen = 0
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
         self._gpus = gpus = dist.get_world_size() if distributed else 1
@@ -212,8 +215,9 @@ class Autopilot:
         nbytes = int(getattr(stats, "bytes", 0) or 0)
         with self._lock:
             assert self._record is not None
+            self._saves_seen += 1
             self._record.add_save(SaveSample(kind, blocking_s, background_s, nbytes,
-                                             self._wall()))
+                                             self._wall(), first=self._saves_seen == 1))
         self._update(write=kind == "durable")
 
     def _estimate(self, record: RunRecord) -> Any:

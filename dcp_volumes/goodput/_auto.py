@@ -47,6 +47,9 @@ class AutopilotOptions:
         window: How many of the newest saves and restores the medians use.
         initial_interval_s: The interval before any save of this run was measured (the
             first save then measures ``δ``).
+        started_at: When this incarnation started (wall clock, ``time.time()``); default:
+            the process's start. A launcher that keeps warm spare processes passes the time
+            it released this one, so the wait is neither exposure nor restart cost.
     """
 
     failure_model: FailureModel | None = None
@@ -56,6 +59,7 @@ class AutopilotOptions:
     change_threshold: float = 0.1
     window: int = 8
     initial_interval_s: float = 1.0
+    started_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.failure_model is not None and not isinstance(self.failure_model, FailureModel):
@@ -66,6 +70,8 @@ class AutopilotOptions:
         if lo > hi:
             raise ConfigError(f"min_interval_s ({lo:g}) is above max_interval_s ({hi:g})")
         positive("initial_interval_s", self.initial_interval_s, at_most=MAX_DURATION_S)
+        if self.started_at is not None:
+            positive("started_at", self.started_at, at_most=1e10)
         if not 0 <= self.change_threshold < 1:
             raise ConfigError(f"change_threshold must be in [0, 1), got {self.change_threshold}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -98,7 +104,9 @@ def _median(values: list[float]) -> float | None:
 def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
     """The costs in ``record``: medians of the newest ``window`` samples of each kind."""
     def newest(kind: str) -> list[Any]:
-        return [s for s in record.saves if s.kind == kind][-window:]
+        # an incarnation's first save also pays one-time setup: steady saves when there are
+        saves = [s for s in record.saves if s.kind == kind]
+        return ([s for s in saves if not s.first] or saves)[-window:]
 
     durable, local = newest("durable"), newest("local-only")
     restores = record.restores[-window:]

@@ -53,13 +53,16 @@ Kind = Literal["durable", "local-only"]
 
 @dataclass(frozen=True)
 class SaveSample:
-    """One save: what it blocked, its completion after that (upload), its bytes (this rank)."""
+    """One save: what it blocked, its completion after that (upload), its bytes (this rank),
+    and whether it was the first of its incarnation (which also pays one-time setup: the
+    writer, the staging buffers, the store's connections)."""
 
     kind: str
     blocking_s: float
     background_s: float
     bytes: int
     at: float
+    first: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,11 @@ def _wall(value: Any) -> float:
 def _save(d: Any) -> SaveSample:
     if d.get("kind") not in ("durable", "local-only"):
         raise ValueError("unknown kind")
+    first = d.get("first", False)
+    if not isinstance(first, bool):
+        raise TypeError("first: not a boolean")
     return SaveSample(d["kind"], _measured(d["blocking_s"]), _measured(d["background_s"]),
-                      int(_num(d["bytes"], 0, _MAX_BYTES)), _wall(d["at"]))
+                      int(_num(d["bytes"], 0, _MAX_BYTES)), _wall(d["at"]), first)
 
 
 def _restore(d: Any) -> RestoreSample:

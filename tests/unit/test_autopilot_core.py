@@ -271,3 +271,24 @@ def test_two_level_with_a_local_tier() -> None:
 def test_options_checked(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         AutopilotOptions(**kw)  # type: ignore[arg-type]
+
+
+def test_an_incarnations_first_save_is_left_out_of_delta() -> None:
+    # the first save of each process also pays one-time setup (writer, buffers, connections)
+    r = RunRecord(root=ROOT)
+    for _ in range(3):
+        r.add_save(SaveSample("durable", 10.0, 0.0, 1, T0, first=True))
+        r.add_save(SaveSample("durable", 1.0, 0.0, 1, T0))
+    assert measured_costs(r).durable_blocking_s == 1.0
+    only_first = _costs(10.0)  # nothing else measured yet: the first saves are all there is
+    only_first.saves = [SaveSample("durable", 10.0, 0.0, 1, T0, first=True)]
+    assert measured_costs(only_first).durable_blocking_s == 10.0
+    good = json.loads(dump_record(_record()))["saves"][0]
+    record, problems = parse_record(_doc(saves=[good, {**good, "first": "yes"}]), root=ROOT)
+    assert record is not None and len(record.saves) == 1 and problems
+
+
+def test_started_at_checked() -> None:
+    assert AutopilotOptions(started_at=T0).started_at == T0
+    with pytest.raises(ConfigError):
+        AutopilotOptions(started_at=-1.0)
