@@ -7,7 +7,7 @@ from typing import Any
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, StoreLocation, parse_url
-from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.config import RetryOptions, TransferOptions, checked_option
 
 __all__ = ["Location"]
 
@@ -25,9 +25,7 @@ class Location:
     def _init_location(self, path: str | os.PathLike[str], storage_options: object,
                        retry: RetryOptions | None) -> None:
         self._where = StoreLocation.parse(path, storage_options)
-        if retry is not None and not isinstance(retry, RetryOptions):
-            raise errors.ConfigError(f"retry= must be a RetryOptions, got {type(retry).__name__}")
-        self.retry = retry or RetryOptions()
+        self.retry = checked_option("retry", retry, RetryOptions) or RetryOptions()
         self._backend_obj: Backend | None = None
 
     @property

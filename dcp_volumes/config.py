@@ -12,16 +12,31 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from dcp_volumes.errors import ConfigError
 
 __all__ = ["LocalTierOptions", "MiB", "RetryOptions", "SpoolOptions", "TransferOptions",
-           "check_local_tier"]
+           "check_local_tier", "checked_option"]
 
 MiB = 1 << 20
 
 SPOOL_DIR_ENV = "DCP_VOLUMES_SPOOL_DIR"
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def checked_option(name: str, value: object, cls: type[OptionsT]) -> OptionsT | None:
+    """``name=`` (an options argument: ``retry=``, ``transfer=``, ``local_tier=``, ...)
+    checked to be a ``cls`` or None, in one wording everywhere.
+
+    Raises:
+        ConfigError: naming the argument, the type expected and the type given.
+    """
+    if value is None or isinstance(value, cls):
+        return value
+    raise ConfigError(f"{name}= must be a {cls.__name__} or None, got {type(value).__name__}")
 
 
 def _positive_int(name: str, value: object, hint: str) -> None:
@@ -272,14 +287,12 @@ class LocalTierOptions:
 
 def check_local_tier(local_tier: object, spool: SpoolOptions) -> LocalTierOptions | None:
     """``local_tier=`` of a writer (or a Checkpointer) checked against its spool options."""
-    if local_tier is None:
+    tier = checked_option("local_tier", local_tier, LocalTierOptions)
+    if tier is None:
         return None
-    if not isinstance(local_tier, LocalTierOptions):
-        raise ConfigError(
-            f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
     if spool.mode != "disk":
         raise ConfigError(
             "local_tier= keeps the spooled files, and SpoolOptions(mode='memory') spools to "
             "no file: use SpoolOptions(mode='disk') (ideally on the tier's filesystem, so "
             "files are moved, not copied), or drop local_tier=")
-    return local_tier
+    return tier

@@ -5,7 +5,8 @@ complete anywhere: resume skips it, ``ls`` shows it unreadable, ``verify`` fails
 new save of that step replaces it (before: ``CheckpointExistsError`` on every retry, so a
 run that resumed from the step before could never save that step again).
 
-On a local directory, moto and SeaweedFS (the session's servers, tests/conftest.py). Damage
+On a local directory, moto, SeaweedFS, fake-gcs-server and Azurite (the session's servers,
+tests/conftest.py): the replacement rides each store's conditional create. Damage
 is done behind the store's back with raw fsspec calls.
 """
 
@@ -37,12 +38,11 @@ class Store:
 
     def __init__(self, root: str, options: dict[str, Any]) -> None:
         self.root, self.options = root, options
-        self.s3 = root.startswith("s3://")
-        self.fs = (fsspec.filesystem("s3", skip_instance_cache=True, **options) if self.s3
-                   else fsspec.filesystem("file"))
+        self.local = "://" not in root
+        self.fs, self.base = fsspec.url_to_fs(root, skip_instance_cache=True, **options)
 
     def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}".removeprefix("s3://")
+        return f"{self.base}/{rel}"
 
     def url(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -59,7 +59,7 @@ class Store:
         return value
 
     def put(self, rel: str, data: bytes) -> None:
-        if not self.s3:
+        if self.local:
             self.fs.makedirs(self.fs._parent(self.path(rel)), exist_ok=True)
         self.fs.pipe_file(self.path(rel), data)
 
@@ -81,7 +81,7 @@ def state_of(value: float) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.full((64, 32), value) for i in range(2)}
 
 
-@pytest.fixture(params=["local", "moto", "seaweedfs"])
+@pytest.fixture(params=["local", "moto", "seaweedfs", "fake_gcs", "azurite"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     if request.param == "local":
         return Store(str(tmp_path / "run"), {})

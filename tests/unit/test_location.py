@@ -86,3 +86,13 @@ def test_pacing_is_a_constructor_argument() -> None:
     assert loc.open().throttle is not None
     assert loc.open(pacing=False).throttle is None
     assert open_backend("memory://loc-pacing/step-1", None, pacing=False).throttle is None
+
+
+def test_an_options_argument_of_the_wrong_type_is_refused_in_one_wording() -> None:
+    with pytest.raises(ConfigError, match=r"retry= must be a RetryOptions or None, got int"):
+        VolumeWriter("/tmp/x", retry=3)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"retry= must be a RetryOptions or None, got dict"):
+        VolumeReader("/tmp/x", retry={})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError,
+                       match=r"local_tier= must be a LocalTierOptions or None, got str"):
+        VolumeWriter("/tmp/x", local_tier="/tmp/tier")  # type: ignore[arg-type]
