@@ -248,7 +248,8 @@ async def _commit_metadata(backend: Backend, metadata_bytes: bytes, *, exclusive
         if await is_committed_by(backend, save_id):
             return
         raise errors.CheckpointExistsError(
-            f"{redact_url(backend.url)} was committed by another save while this one uploaded; "
+            f"Checkpoint already exists: {redact_url(backend.url)} was committed by another "
+            "save while this one uploaded; "
             "this save's shards were removed. Use a new path, or overwrite=True to replace it"
         ) from None
 
@@ -264,7 +265,8 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
     ``.metadata.*.tmp`` that gc removes.
     """
     claim = f"{METADATA}.replacing-{damaged[:32]}.tmp"
-    taken = f"{redact_url(backend.url)}'s damaged .metadata was replaced by another save"
+    taken = (f"Checkpoint already exists: {redact_url(backend.url)}'s damaged .metadata was "
+             "replaced by another save")
     try:
         await backend.commit(claim, save_id.encode(), exclusive=True, save_id=save_id,
                              stats=stats)

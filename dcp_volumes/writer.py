@@ -213,7 +213,8 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         self._replaces = found.version if found is not None else None  # a damaged .metadata
         if found is not None and found.complete:
             raise errors.CheckpointExistsError(
-                f"a complete checkpoint exists at {redact_url(self._url)}: pick a new path, "
+                f"Checkpoint already exists: a complete checkpoint exists at "
+                f"{redact_url(self._url)}: pick a new path, "
                 "or pass VolumeWriter(..., overwrite=True) to replace it"
             )
         save_id = _layout.new_save_id()
