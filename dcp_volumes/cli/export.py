@@ -75,8 +75,7 @@ def _dest_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from dcp_volumes.export import export_safetensors
-    from dcp_volumes.export._plan import parse_size
+    from dcp_volumes.export import export_safetensors, parse_size
 
     parse_size(args.max_shard_size)  # a bad size fails before torch is imported
     with progress_bar("export", enabled=not args.json, unit="bytes") as progress:

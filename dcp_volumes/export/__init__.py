@@ -15,7 +15,8 @@ source: slabs through the serve path), ``_dest`` (clearing, streaming uploads, t
 ``_run`` (the lifecycle, one or many ranks), ``_source`` (:class:`SafetensorsReader`).
 
 The names are resolved lazily (module ``__getattr__``), so ``_format`` and ``_plan`` are used
-without importing torch.
+without importing torch (:func:`parse_size`, ``max_shard_size``'s parser, is torch-free: the
+CLI checks a size before torch is imported).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dcp_volumes.export._plan import parse_size
     from dcp_volumes.export._run import ExportReport, export_safetensors
     from dcp_volumes.export._source import SafetensorsReader
 
-__all__ = ["ExportReport", "SafetensorsReader", "export_safetensors"]
+__all__ = ["ExportReport", "SafetensorsReader", "export_safetensors", "parse_size"]
 
 _LAZY: dict[str, str] = {
     "ExportReport": "dcp_volumes.export._run",
     "export_safetensors": "dcp_volumes.export._run",
     "SafetensorsReader": "dcp_volumes.export._source",
+    "parse_size": "dcp_volumes.export._plan",
 }
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from dcp_volumes import errors
 from dcp_volumes.export import _format
 
-__all__ = ["INDEX", "SINGLE", "ExportPlan", "PlannedFile", "PlannedTensor", "Slab",
-           "SourceItem", "assign_files", "numbered", "output_dtype", "parse_size",
+__all__ = ["INDEX", "RESERVED_NAMES", "SINGLE", "ExportPlan", "PlannedFile", "PlannedTensor",
+           "Slab", "SourceItem", "assign_files", "numbered", "output_dtype", "parse_size",
            "plan_export", "slabs"]
 
 #: the one file of an export that fits in ``max_shard_size``
@@ -37,6 +37,9 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 #: the name of a numbered file of an earlier export (any N)
 NUMBERED_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+#: names the safetensors format reserves in a header: a tensor by one of these names would
+#: replace the file's format metadata and make the file unreadable, so it is refused
+RESERVED_NAMES = frozenset({"__metadata__"})
 #: the dtypes ``--dtype`` casts (other tensors keep their dtype)
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
 _DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
@@ -199,6 +202,11 @@ def _select(items: Iterable[SourceItem], prefix: str | None,
             raise errors.ConfigError(
                 f"item {item.fqn!r} would be exported with an empty name: choose a prefix "
                 "that leaves a name, or rename it")
+        if name in RESERVED_NAMES:
+            raise errors.ConfigError(
+                f"item {item.fqn!r} would be exported as {name!r}, a name the safetensors "
+                "format reserves for the file's metadata: rename it (rename=) or choose "
+                "another prefix")
         chosen.append((name, item))
     return chosen, skipped, dropped
 
@@ -239,7 +247,7 @@ def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
 
     Raises:
         ConfigError: no tensor is selected (the message names the prefixes there are), two
-            items map to one name, a tensor's dtype has no safetensors code, a bad option.
+            items map to one name, a name safetensors reserves (``__metadata__``), a tensor's dtype has no safetensors code, a bad option.
     """
     max_bytes = parse_size(max_shard_size)
     out_dtype = output_dtype(dtype)

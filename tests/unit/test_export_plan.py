@@ -12,6 +12,7 @@ from dcp_volumes import errors
 from dcp_volumes.export import _format
 from dcp_volumes.export._plan import (
     INDEX,
+    RESERVED_NAMES,
     SINGLE,
     SourceItem,
     assign_files,
@@ -111,3 +112,17 @@ def test_sizes_files_to_ranks_and_slabs() -> None:
     assert [(s.start, s.stop) for s in slabs(t, 350, sliceable=False)] == [(0, 10)]
     scalar = plan_export([SourceItem("s", "float32", ())]).files[0].tensors[0]
     assert [(s.shape, s.offsets) for s in slabs(scalar, 1, sliceable=True)] == [((), ())]
+
+
+@pytest.mark.parametrize("items, kwargs", [
+    ([SourceItem("__metadata__", "float32", (2,))], {}),
+    ([SourceItem("model.__metadata__", "float32", (2,))], {"prefix": "model."}),
+    ([SourceItem("w", "float32", (2,))], {"rename": lambda n: "__metadata__"}),
+], ids=["key", "prefix-leaves-it", "rename-gives-it"])
+def test_names_safetensors_reserves_are_refused_naming_them(items, kwargs) -> None:
+    # issue 25, finding 1: a tensor named __metadata__ replaced the file's format metadata
+    # and made the file unreadable, yet the export was reported OK and committed
+    for name in RESERVED_NAMES:
+        assert name == "__metadata__"
+    with pytest.raises(errors.ConfigError, match=r"'__metadata__'.*reserves"):
+        plan_export(items, **kwargs)
