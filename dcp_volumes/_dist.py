@@ -137,15 +137,15 @@ def agree(err: BaseException | None, *, group: Any, world: int, me: int, timeout
     """
     codes = torch.zeros(world, dtype=torch.int64)
     codes[me] = FAILED if err is not None else code
+    started = time.monotonic()
     try:
         dist.all_reduce(codes, group=group, async_op=True).wait(
             timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         if err is not None:
             raise err  # this rank's own failure says more than the lost peers
-        raise error(
-            f"rank {me}: the other ranks' status did not arrive while {task} ({step}; this "
-            f"rank waited {timeout_s:.0f}s): a rank died or is stuck{note} ({exc})") from exc
+        raise error(f"rank {me}: {_lost(time.monotonic() - started, timeout_s)} while {task} "
+                    f"({step}){note} ({exc})") from exc
     reported = codes.tolist()
     failed = [r for r, c in enumerate(reported) if c == FAILED]
     if not failed:
@@ -164,6 +164,17 @@ def agree(err: BaseException | None, *, group: Any, world: int, me: int, timeout
         cls = error
     more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
     raise cls(f"rank {src}{more} failed while {task} ({step}): {text}")
+
+
+def _lost(waited: float, timeout_s: float) -> str:
+    """What happened when a collective failed after ``waited`` seconds, said truthfully: the
+    limit ran out (a rank is stuck or died silently), or a rank's connection closed first
+    (it died: killed, crashed, or its host went away)."""
+    if waited >= 0.9 * timeout_s:
+        return (f"the other ranks' status did not arrive within {timeout_s:.0f}s: a rank is "
+                "stuck, or died without closing its connection")
+    return (f"a rank's connection closed after {waited:.1f}s (of up to {timeout_s:.0f}s this "
+            "rank would wait): that rank died (killed, crashed, or its host went away)")
 
 
 def _broadcast_error(err: BaseException | None, src: int, group: Any, timeout_s: float

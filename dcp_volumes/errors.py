@@ -13,7 +13,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DCPVolumesError",
+    "DestinationMismatchError",
     "DownloadError",
+    "ExportConflictError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "ObjectNotFoundError",
@@ -89,3 +91,13 @@ class ObjectNotFoundError(DCPVolumesError, FileNotFoundError):
 class RootInUseError(DCPVolumesError):
     """Another run holds the run root (its lease is live): two runs saving under one root
     would resume from and replace each other's checkpoints."""
+
+
+class ExportConflictError(DCPVolumesError):
+    """Another export to the same destination started after this one and took it over: this
+    one stopped without committing (the other one's output is what DEST holds)."""
+
+
+class DestinationMismatchError(ConfigError):
+    """The ranks of one multi-rank operation do not see the same destination (a local
+    directory that differs per node, say): nothing was written."""

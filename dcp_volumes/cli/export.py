@@ -9,6 +9,7 @@ document with ``--json``; a progress bar on a terminal. Imports torch (it reads
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from dcp_volumes.cli._exit import EXIT_OK
@@ -31,7 +32,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
             "model.safetensors.index.json. Checksums are verified as on load; bytes stream\n"
             "from store to store with flat memory; the index (or the single file) is written\n"
             "last, so a partial export never looks complete. Under torchrun, every rank\n"
-            "writes its share of the files."
+            "writes its share of the files.\n\n"
+            "An earlier export at DEST is removed before the new one is written (its index\n"
+            "or model.safetensors first): if the new export fails or is killed, DEST holds\n"
+            "neither. So when DEST holds one, export asks first (on a terminal) or refuses\n"
+            "(exit 1) unless --replace is given. Only files of this naming scheme that the\n"
+            "earlier export wrote are removed. DEST may not be SRC or inside it; of two\n"
+            "exports to one DEST at the same time, the one that started last goes on and\n"
+            "the other stops with an error."
         ),
         epilog=(
             "examples:\n"
@@ -55,6 +63,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    type=key_value, metavar="KEY=VALUE",
                    help="an fsspec option for DEST only, repeatable (the storage flags apply "
                    "to DEST too when it is on the same kind of store as SRC)")
+    p.add_argument("--replace", action="store_true",
+                   help="replace an earlier export at DEST without asking (it is removed "
+                   "before the new one is written)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(handler=_run_export)
 
@@ -74,6 +85,17 @@ def _dest_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _ask(names: list[str]) -> bool:
+    """Whether to remove the earlier export (``names``: its commit) at DEST: ask on a
+    terminal, decline elsewhere (``--replace`` skips the question)."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return False
+    print(f"DEST holds an earlier export ({', '.join(names)}). It is removed before the new "
+          "one is written; if this export fails, DEST holds neither. Replace it? [y/N] ",
+          end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from dcp_volumes.export import export_safetensors, parse_size
 
@@ -83,7 +105,8 @@ def _run_export(args: argparse.Namespace) -> int:
             args.src, args.dest, prefix=args.prefix, dtype=args.dtype,
             max_shard_size=args.max_shard_size,
             storage_options=storage_options_for(args, args.src),
-            dest_storage_options=_dest_options(args), progress=progress)
+            dest_storage_options=_dest_options(args), progress=progress,
+            replace=True if args.replace else _ask)
     if args.json:
         print_json({"src": redact(args.src), **report.to_dict()})
         return EXIT_OK

@@ -121,6 +121,8 @@ class Source:
         md = self._md(fqn)
         for chunk in md.chunks:
             info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
+            if getattr(info, "transform_descriptors", None):
+                return False  # compressed: decoded whole, so once per tensor, not per slab
             if int(info.length) <= _WHOLE_CHUNK_OK:
                 continue
             files = self.manifest.files if self.manifest is not None else {}

@@ -9,9 +9,11 @@ rounds (``slab_size`` each, as fetched bytes and as tensors), their casts, and
 ``max_concurrency + 1`` upload parts, whatever the size of the model or of a file.
 
 Under ``torch.distributed`` the ranks agree at each step (:func:`dcp_volumes._dist.agree`):
-rank 0 clears DEST once every rank has planned, every rank writes its files, and rank 0
-commits the index once every rank's files are durable; a failure on any rank fails every
-rank with a typed error, and no index is written.
+rank 0 claims and clears DEST once every rank has planned, every rank checks that it sees
+rank 0's claim (one DEST for all), every rank writes its files, and rank 0 commits the index
+once every rank's files are durable; a failure on any rank fails every rank with a typed
+error, and no index is written. Of two exports racing to one DEST, the one that claimed it
+last goes on and the other stops (:mod:`~dcp_volumes.export._lease`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dcp_volumes._commit import read_committed
 from dcp_volumes._spool import SpoolFile
 from dcp_volumes.backends import open_backend, redact_url
 from dcp_volumes.config import MiB, RetryOptions, TransferOptions
-from dcp_volumes.export._dest import Destination, tensor_bytes
+from dcp_volumes.export._checks import check_claims, check_not_inside
+from dcp_volumes.export._dest import Destination, new_token, tensor_bytes
 from dcp_volumes.export._fetch import Source, source_items
 from dcp_volumes.export._plan import INDEX, ExportPlan, PlannedFile, assign_files, plan_export
 
@@ -107,6 +110,15 @@ class _Group:
             self.group = _dist.cpu_group("gloo" not in str(dist.get_backend()))
         self.task = task
 
+    def token(self) -> str:
+        """The export's token: rank 0's, sent to every rank."""
+        token = [new_token()]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(token, src=0, group=self.group)
+        return str(token[0])
+
     def step(self, err: BaseException | None, step: str) -> None:
         """Every rank reports; if any failed, every rank raises (its own error, or the
         failing rank's, typed)."""
@@ -127,7 +139,7 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
 
 
 def _check(transfer: TransferOptions | None, retry: RetryOptions | None, slab_size: int,
-           progress: Any) -> TransferOptions:
+           progress: Any, replace: Any) -> TransferOptions:
     if transfer is not None and not isinstance(transfer, TransferOptions):
         raise errors.ConfigError(
             f"transfer= must be a TransferOptions, got {type(transfer).__name__}")
@@ -137,23 +149,19 @@ def _check(transfer: TransferOptions | None, retry: RetryOptions | None, slab_si
         raise errors.ConfigError(f"slab_size must be an int of at least 1 MiB, got {slab_size!r}")
     if progress is not None and not callable(progress):
         raise errors.ConfigError("progress= must be a callable progress(done, total) or None")
+    if not (isinstance(replace, bool) or callable(replace)):
+        raise errors.ConfigError("replace= must be True, False or a function "
+                                 "replace(names) -> bool")
     return transfer or DEFAULT_TRANSFER
 
 
 def export_safetensors(
-    src: str | os.PathLike[str],
-    dest: str | os.PathLike[str],
-    *,
-    prefix: str | None = None,
-    rename: Callable[[str], str | None] | None = None,
-    dtype: str | None = None,
-    max_shard_size: int | str = "5GB",
-    storage_options: dict[str, Any] | None = None,
-    dest_storage_options: dict[str, Any] | None = None,
-    transfer: TransferOptions | None = None,
-    retry: RetryOptions | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    slab_size: int = DEFAULT_SLAB,
+    src: str | os.PathLike[str], dest: str | os.PathLike[str], *, prefix: str | None = None,
+    rename: Callable[[str], str | None] | None = None, dtype: str | None = None,
+    max_shard_size: int | str = "5GB", storage_options: dict[str, Any] | None = None,
+    dest_storage_options: dict[str, Any] | None = None, transfer: TransferOptions | None = None,
+    retry: RetryOptions | None = None, progress: Callable[[int, int], None] | None = None,
+    slab_size: int = DEFAULT_SLAB, replace: bool | Callable[[list[str]], bool] = True,
 ) -> ExportReport:
     """Export the committed checkpoint at ``src`` to Hugging Face safetensors at ``dest``.
 
@@ -162,9 +170,9 @@ def export_safetensors(
 
     Args:
         src: a committed checkpoint URL on any backend (checksums verified as on load).
-        dest: a URL on any backend, or a local directory. An earlier export there is
-            replaced: its index (or ``model.safetensors``) is removed before anything is
-            written, and the new one appears only when every file is durable.
+        dest: a URL on any backend, or a local directory, outside ``src``. An earlier export
+            there is removed before anything is written (its index or ``model.safetensors``
+            first), and the new one appears only when every file is durable.
         prefix: keep only keys under it, stripped (``"model."`` for ``{"model": ...,
             "optim": ...}`` state dicts).
         rename: ``rename(name) -> new name | None`` after the prefix is stripped; None drops
@@ -174,31 +182,34 @@ def export_safetensors(
             Face's default); a bigger tensor gets a file of its own.
         storage_options: fsspec options of ``src``; ``dest_storage_options`` those of
             ``dest`` (default: the same as ``src``'s). Never logged.
-        transfer: concurrency and part sizes of downloads and uploads (default:
-            ``TransferOptions(max_concurrency=8, part_size=8 * MiB)``; memory holds
-            ``max_concurrency + 1`` upload parts of ``part_size``).
+        transfer: concurrency and part sizes (default: ``TransferOptions(max_concurrency=8,
+            part_size=8 * MiB)``; memory holds ``max_concurrency + 1`` upload parts).
         retry: retries of transient errors, both sides.
         progress: ``progress(done, total)``, bytes of this rank's files handed to the upload.
         slab_size: source bytes fetched per round (a tensor is fetched in dim-0 row slabs of
             at most this, when its stored chunks allow partial reads).
+        replace: what to do with an earlier export at ``dest``: True removes it, False
+            refuses, a function ``replace(names) -> bool`` is asked first (the CLI's prompt).
 
     Returns:
         An :class:`ExportReport`.
 
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError: as a load of ``src`` would.
-        IntegrityError: stored bytes do not match their checksums (nothing is committed).
-        ConfigError: no tensor is selected, two names collide, an unsupported dtype, a bad
-            option.
+        IntegrityError: stored bytes or ``.metadata`` claims do not match (nothing commits).
+        ConfigError: no tensor is selected, two names collide, a reserved name, an
+            unsupported dtype, ``dest`` inside ``src``, a bad option;
+            DestinationMismatchError (a ConfigError): the ranks see different ``dest``.
+        CheckpointExistsError: ``dest`` holds an earlier export and ``replace`` declined.
+        ExportConflictError: another export to ``dest`` started meanwhile and took it over.
         UploadError, DownloadError: the stores failed after retries, or another rank did.
     """
-    job = _Job(src=src, dest=dest, prefix=prefix, rename=rename, dtype=dtype,
-               max_shard_size=max_shard_size, storage_options=storage_options,
-               dest_storage_options=(dest_storage_options if dest_storage_options is not None
-                                     else storage_options),
-               transfer=_check(transfer, retry, slab_size, progress), retry=retry,
-               progress=progress, slab_size=slab_size)
-    return job.run()
+    return _Job(src=src, dest=dest, prefix=prefix, rename=rename, dtype=dtype,
+                max_shard_size=max_shard_size, storage_options=storage_options,
+                dest_storage_options=(dest_storage_options if dest_storage_options is not None
+                                      else storage_options),
+                transfer=_check(transfer, retry, slab_size, progress, replace), retry=retry,
+                progress=progress, slab_size=slab_size, replace=replace).run()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,49 +228,71 @@ class _Job:
     retry: RetryOptions | None
     progress: Callable[[int, int], None] | None
     slab_size: int
+    replace: bool | Callable[[list[str]], bool]
 
-    def _open(self) -> tuple[Source, ExportPlan, Destination]:
+    def _open(self, token: str) -> tuple[Source, ExportPlan, Destination]:
         backend = open_backend(self.src, self.storage_options, self.retry)
+        dest = open_backend(self.dest, self.dest_storage_options, self.retry)
+        check_not_inside(backend, dest)
         committed = read_committed(backend, with_manifest=True)
         source = Source(backend, committed.metadata, committed.manifest,
                         redact_url(os.fspath(self.src)), self.transfer)
         plan = plan_export(source_items(committed.metadata), prefix=self.prefix,
                            rename=self.rename, dtype=self.dtype,
                            max_shard_size=self.max_shard_size)
-        out = Destination(open_backend(self.dest, self.dest_storage_options, self.retry),
-                          self.transfer)
+        check_claims(backend, committed.metadata, (t for f in plan.files for t in f.tensors),
+                     source.url)
+        out = Destination(dest, self.transfer, token)
         out.check()
         return source, plan, out
+
+    def _claim(self, out: Destination, plan: ExportPlan) -> None:
+        """Rank 0: ask about an earlier export (``replace``), then claim and clear DEST."""
+        earlier = out.earlier() if self.replace is not True else []
+        if earlier and not (callable(self.replace) and self.replace(earlier)):
+            raise errors.CheckpointExistsError(
+                f"{redact_url(os.fspath(self.dest))} holds an earlier export ({', '.join(earlier)})"
+                ", which an export removes before it writes: pass replace=True (--replace) "
+                "to replace it, or export to another destination")
+        out.claim(plan)
 
     def run(self) -> ExportReport:
         start = time.monotonic()
         src_url, dest_url = redact_url(os.fspath(self.src)), redact_url(os.fspath(self.dest))
         group = _Group(f"exporting {src_url} to {dest_url}")
-        opened, err = _attempt(self._open)
+        token = group.token()
+        opened, err = _attempt(lambda: self._open(token))
         group.step(err, "reading the checkpoint")
         source, plan, out = opened
         if group.rank == 0:
-            _, err = _attempt(lambda: out.clear(plan))
-        group.step(err, "clearing the destination")
+            _, err = _attempt(lambda: self._claim(out, plan))
+        group.step(err, "claiming the destination")
+        _, err = _attempt(lambda: out.check_same(group.rank))
+        group.step(err, "checking that every rank sees the same destination")
         mine = [plan.files[i] for i in assign_files(plan.files, group.world)[group.rank]]
         _, err = _attempt(lambda: _write(source, out, mine, self.slab_size, self.progress))
         group.step(err, "writing files")
         if group.rank == 0:
-            _, err = _attempt(lambda: out.commit_index(plan))
+            _, err = _attempt(lambda: out.commit(plan))
         group.step(err, "committing the index")
-        report = ExportReport(
-            dest=dest_url, files=tuple(f.name for f in plan.files),
-            index=None if plan.single else INDEX, tensors=plan.tensors, bytes=plan.file_bytes,
-            total_size=plan.total_size, skipped=plan.skipped, not_selected=plan.not_selected,
-            verified=source.manifest is not None, seconds=time.monotonic() - start,
-            bytes_fetched=source.bytes_fetched, bytes_written=out.bytes_written,
-            rank=group.rank, world_size=group.world)
-        logger.info("rank %d exported %d tensors in %d files (%d bytes; this rank wrote %d "
-                    "in %d files) from %s to %s: %.2fs, %.1f MB/s, %d non-tensor items "
-                    "skipped", group.rank, report.tensors, len(report.files), report.bytes,
-                    report.bytes_written, len(mine), src_url, dest_url, report.seconds,
-                    report.mb_per_s, len(report.skipped))
-        return report
+        return _report(source, plan, out, group, dest_url, time.monotonic() - start, len(mine))
+
+
+def _report(source: Source, plan: ExportPlan, out: Destination, group: _Group, dest_url: str,
+            seconds: float, mine: int) -> ExportReport:
+    report = ExportReport(
+        dest=dest_url, files=tuple(f.name for f in plan.files),
+        index=None if plan.single else INDEX, tensors=plan.tensors, bytes=plan.file_bytes,
+        total_size=plan.total_size, skipped=plan.skipped, not_selected=plan.not_selected,
+        verified=source.manifest is not None, seconds=seconds,
+        bytes_fetched=source.bytes_fetched, bytes_written=out.bytes_written,
+        rank=group.rank, world_size=group.world)
+    logger.info("rank %d exported %d tensors in %d files (%d bytes; this rank wrote %d "
+                "in %d files) from %s to %s: %.2fs, %.1f MB/s, %d non-tensor items "
+                "skipped", group.rank, report.tensors, len(report.files), report.bytes,
+                report.bytes_written, mine, source.url, dest_url, report.seconds,
+                report.mb_per_s, len(report.skipped))
+    return report
 
 
 def _write(source: Source, out: Destination, files: list[PlannedFile], slab_size: int,
