@@ -165,32 +165,42 @@ class Destination:
                 for n in feed(pf, upload.spool):
                     if progress is not None:
                         progress(fed + n)
+                self.hold()  # before the last part goes: a one-part file is put by it
                 fed += upload.spool.close()
-                self.hold()
                 upload.finish()
             uploader.spooling_ended()
             uploader.wait()
             if self.local:
                 self._rename([(self._target(f.name), f.name) for f in files])
         except BaseException as exc:
-            uploader.abort()
-            self._raise_if_lost(exc)
-            raise
+            lost = self._lost(exc)
+            if lost is None:
+                uploader.abort()  # DEST is still this export's: remove what it uploaded
+                raise
+            # DEST is another export's now: what this one completed may have been replaced
+            # by that one's files, so nothing is removed; pending parts stop
+            uploader.fail(lost)
+            if lost is exc:
+                raise
+            raise lost from exc
         finally:
             for upload in uploads:
                 upload.spool.discard()
         self.bytes_written += fed
 
-    def _raise_if_lost(self, exc: BaseException) -> None:
-        """A write that failed because another export took DEST over says so."""
-        if isinstance(exc, errors.ExportConflictError) or not isinstance(exc, Exception):
-            return
+    def _lost(self, exc: BaseException) -> errors.ExportConflictError | None:
+        """The conflict, when a write failed because another export took DEST over."""
+        if isinstance(exc, errors.ExportConflictError):
+            return exc
+        if not isinstance(exc, Exception):
+            return None
         try:
             self.hold()
         except errors.ExportConflictError as lost:
-            raise lost from exc
+            return lost
         except errors.DCPVolumesError:
             pass  # the store is failing: the original error says more
+        return None
 
     def _rename(self, moves: list[tuple[str, str]]) -> None:
         try:
