@@ -19,6 +19,8 @@ last goes on and the other stops (:mod:`~dcp_volumes.export._lease`).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import ctypes.util
 import logging
 import os
 import time
@@ -295,6 +297,29 @@ def _report(source: Source, plan: ExportPlan, out: Destination, group: _Group, d
     return report
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the OS (glibc: ``malloc_trim``).
+
+    Each round frees its slabs, casts and upload parts (megabytes each) on several threads;
+    glibc raises its mmap threshold after the first such free, so later buffers come from
+    per-thread arenas whose freed pages it keeps: without a trim the peak RSS crept up with
+    the number of rounds, i.e. with the model (66 MiB over the imports for 32 MiB, 99 MiB
+    for 128 MiB; with a trim per round, flat)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None  # not glibc (macOS, musl): nothing to trim
+
+
+_LIBC = _load_libc()
+
+
 def _write(source: Source, out: Destination, files: list[PlannedFile], slab_size: int,
            progress: Callable[[int, int], None] | None) -> None:
     total = sum(f.size for f in files)
@@ -314,6 +339,7 @@ def _write(source: Source, out: Destination, files: list[PlannedFile], slab_size
                 for slab, tensor in zip(rnd.slabs, tensors):
                     spool.write(tensor_bytes(tensor, slab.tensor.dtype))
                 del tensors
+                _trim()
                 yield spool.tell()
             if spool.tell() != pf.size:
                 raise errors.UploadError(
