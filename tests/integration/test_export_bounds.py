@@ -88,7 +88,8 @@ def test_a_shape_claim_is_checked_against_the_stored_bytes_before_any_work(
     metadata.state_dict_metadata["model.w"].size = torch.Size([10**12])
     meta_path.write_bytes(pickle.dumps(metadata))
     assert meta_path.stat().st_size < 4096
-    got = _measured(str(src), str(tmp_path / "hf"), {})
+    # 1 MiB slabs: the claim would make 3.8 million of them (the 506 MiB)
+    got = _measured(str(src), str(tmp_path / "hf"), {}, slab_size=MiB)
     assert got["error"] is not None and got["error"][0] == "IntegrityError", got
     assert "damaged or crafted" in got["error"][1], got
     assert got["growth"] < 64 * MiB, got  # nothing in proportion to the claim
