@@ -170,7 +170,7 @@ def test_only_files_an_earlier_export_wrote_are_removed(sources: Any, tmp_path: 
 
 def test_dest_that_is_src_or_inside_it_is_refused(store: Store, sources: Any) -> None:
     # issue 25, finding 7: accepted, after which `rm SRC` removed the export with it
-    (src, state), _ = sources
+    (src, _), _ = sources
     for dest in (src, os.path.join(src, "hf"), src + "/hf/"):
         with pytest.raises(errors.ConfigError, match="inside it"):
             export_safetensors(src, dest, prefix="model.", storage_options={})
