@@ -114,12 +114,7 @@ class _Group:
 
     def token(self) -> str:
         """The export's token: rank 0's, sent to every rank."""
-        token = [new_token()]
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list(token, src=0, group=self.group)
-        return str(token[0])
+        return str(_dist.from_rank0(new_token, self.group, self.world > 1))
 
     def step(self, err: BaseException | None, step: str) -> None:
         """Every rank reports; if any failed, every rank raises (its own error, or the
