@@ -242,3 +242,14 @@ def test_a_killed_rank_is_reported_as_died_not_as_a_long_wait(
     assert not ok
     assert "UploadError" in text and "died" in text, text
     assert "waited 3600s" not in text and "within 3600s" not in text, text
+
+
+def test_a_directory_where_a_file_goes_is_a_typed_error(sources: Any, tmp_path: Path) -> None:
+    # issue 25, finding 9: crafted destinations reached users as IsADirectoryError
+    (src, _), _ = sources
+    dest = tmp_path / "hf"
+    (dest / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(errors.UploadError, match="model.safetensors.*move what is there away"):
+        export_safetensors(src, str(dest), prefix="model.", storage_options={})
+    assert (dest / "model.safetensors").is_dir()
+    assert not [n for n in os.listdir(dest) if n.endswith(".tmp")]  # its temporary went
