@@ -62,6 +62,8 @@ class Destination:
             raise errors.ConfigError(
                 f"{root} is a symbolic link to {os.readlink(root)!r}, which does not exist: "
                 "create the directory it points to, or export to another directory")
+        if self.local:
+            _check_parents(root)
         self.backend.run(self.backend.check_bucket)
 
     def earlier(self) -> list[str]:
@@ -227,6 +229,17 @@ class Destination:
             self.backend.run(lambda: self.backend.commit(INDEX, data, exclusive=False,
                                                          save_id=self.token, stats=self.stats))
         self.backend.run(lambda: self.backend.remove([_lease.MARKER]))
+
+
+def _check_parents(root: str) -> None:
+    """A local DEST whose nearest existing ancestor is not a directory cannot be made."""
+    parent = os.path.dirname(os.path.abspath(root))
+    while parent and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise errors.ConfigError(
+            f"{root} cannot be created: {parent} is a file, not a directory; export to a "
+            "directory")
 
 
 def tensor_bytes(tensor: torch.Tensor, dtype: str) -> memoryview:

@@ -253,3 +253,9 @@ def test_a_directory_where_a_file_goes_is_a_typed_error(sources: Any, tmp_path: 
         export_safetensors(src, str(dest), prefix="model.", storage_options={})
     assert (dest / "model.safetensors").is_dir()
     assert not [n for n in os.listdir(dest) if n.endswith(".tmp")]  # its temporary went
+    # a DEST under a regular file said "list of ... failed (NotADirectoryError)", a
+    # DownloadError of a destination
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(errors.ConfigError, match="is a file, not a directory"):
+        export_safetensors(src, str(tmp_path / "afile" / "hf"), prefix="model.",
+                           storage_options={})
