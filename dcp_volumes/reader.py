@@ -22,7 +22,7 @@ from dcp_volumes._shared_commit import read_commit
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.stats import LoadStats
-from dcp_volumes.transfer import cooperative
+from dcp_volumes.transfer import cooperative, transforms
 from dcp_volumes.transfer.readplan import (
     Need,
     apply_need,
@@ -79,6 +79,13 @@ class VolumeReader(Location, StorageReader):
             every shard byte must come from a local tier (this node's or a peer's, checked
             against that manifest); a byte no rank holds fails the load with
             :class:`~dcp_volumes.errors.IntegrityError`.
+        extension_registry: torch's ``ExtensionRegistry``
+            (``torch.distributed.checkpoint._extension``) with the custom stream transforms
+            a torch ``FileSystemWriter(..., _extensions=[...])`` wrote through registered,
+            as torch's ``FileSystemReader(..., _extension_registry=...)`` takes it. Such
+            items are decoded after their checksum check, bounded like zstd's (by the
+            item's metadata and bytes held). ``stream.zstd`` needs no registry; without one,
+            any other transform raises :class:`~dcp_volumes.errors.UnsupportedTransformError`.
     """
 
     def __init__(
@@ -95,6 +102,7 @@ class VolumeReader(Location, StorageReader):
         cooperative_timeout_s: float = 600.0,
         local_tier: LocalTierOptions | None = None,
         local_commit: tier.LocalCommit | None = None,
+        extension_registry: Any = None,
     ) -> None:
         super().__init__()
         self._init_location(path, storage_options, retry)
@@ -105,6 +113,7 @@ class VolumeReader(Location, StorageReader):
                 "safe_globals= must be a list of classes/functions (as for "
                 f"torch.serialization.add_safe_globals), got {type(safe_globals).__name__}")
         self.safe_globals = tuple(safe_globals)
+        self.extension_registry = transforms.checked_registry(extension_registry)
         if cooperative not in (True, False, "auto"):
             raise errors.ConfigError(
                 f"cooperative= must be True, False or 'auto', got {cooperative!r}")
@@ -230,7 +239,7 @@ class VolumeReader(Location, StorageReader):
             # a rank reads what it needs of its local files itself (left out here), and
             # serves those files to the ranks that need them
             needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url,
-                                            self._metadata),
+                                            self._metadata, self.extension_registry),
                                  getattr(p.storage_data, "local_files", frozenset()))
                      for p in plans]
         except errors.DCPVolumesError as exc:
@@ -302,7 +311,7 @@ class VolumeReader(Location, StorageReader):
         did, the needs it does not hold). What fails there (and only that) goes to the store
         after."""
         needs = plan_needs(plan.items, self._storage_data, self._manifest, url,
-                           self._metadata)
+                           self._metadata, self.extension_registry)
         local = self._read_local(needs, planner, url)
         return needs, local, _from_store(needs, frozenset(self._local))
 

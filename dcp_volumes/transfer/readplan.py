@@ -54,6 +54,8 @@ class Need:
     decoded_limit: int = 0
     #: the item's dtype as ``.metadata`` and the manifest record it (a tensor item)
     dtype: torch.dtype | None = None
+    #: torch's ``ExtensionRegistry`` that decodes custom ``transforms`` (None: zstd only)
+    registry: Any = None
 
 
 def describe(read: ReadItem) -> str:
@@ -76,12 +78,14 @@ def _element_span(read: ReadItem, strides: tuple[int, ...]) -> tuple[int, int]:
 
 
 def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
-               manifest: Manifest | None, url: str, metadata: Any = None) -> list[Need]:
+               manifest: Manifest | None, url: str, metadata: Any = None,
+               registry: Any = None) -> list[Need]:
     """One :class:`Need` per stored item the reads touch.
 
     ``metadata``: the checkpoint's ``Metadata``, which bounds what an item written through
     a stream transform may decode to (without it: :data:`~dcp_volumes.transfer.transforms.
-    MAX_OBJECT_BYTES`).
+    MAX_OBJECT_BYTES`). ``registry``: torch's ``ExtensionRegistry`` for custom stream
+    transforms (:func:`~dcp_volumes.transfer.transforms.check_transforms`).
 
     Raises:
         UnsupportedTransformError: an item was written through a transform that cannot be
@@ -117,8 +121,8 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
         descriptors = getattr(infos[(relative, offset)], "transform_descriptors", None)
         if descriptors:  # fetched whole: the stored bytes are a transform's output
             need = Need(relative, offset, offset + length, offset, length, item_reads, entry,
-                        None, length, transforms.check_transforms(descriptors, what),
-                        _decoded_limit(item_reads[0], metadata))
+                        None, length, transforms.check_transforms(descriptors, what, registry),
+                        _decoded_limit(item_reads[0], metadata), registry=registry)
         else:
             need = _need_for(relative, offset, length, item_reads, entry)
         need.dtype = dtype
@@ -265,7 +269,7 @@ def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
         if need.transforms:
             what = f"{describe(need.reads[0])} in shard {need.relative}"
             chunk = transforms.decode(need.transforms, chunk, limit=need.decoded_limit,
-                                      what=what)
+                                      what=what, registry=need.registry)
             transforms.check_zip_crcs(chunk, what)
         for read in need.reads:
             _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms),

@@ -8,7 +8,9 @@ in the order listed. Here:
 - :func:`check_transforms` refuses, before any byte is fetched, a descriptor this
   installation cannot decode (an unknown name or version, or ``stream.zstd`` with neither
   ``zstandard`` nor ``pyzstd`` importable) with :class:`~dcp_volumes.errors.
-  UnsupportedTransformError` naming it and what to install.
+  UnsupportedTransformError` naming it and what to install. A custom transform (torch's
+  ``StreamTransformExtension``, e.g. an encryption) is decoded when the reader is given a
+  torch ``ExtensionRegistry`` with it registered, as torch's ``FileSystemReader`` is.
 - :func:`decode` undoes them with an output bound (:func:`decode_bound`): what the item's
   metadata allows (:func:`decoded_limit`), and never more than zstd's format can make of the
   bytes actually held (:data:`MAX_RATIO` per byte). ``.metadata`` is untrusted, so the first
@@ -16,7 +18,8 @@ in the order listed. Here:
   (:mod:`dcp_volumes._metacheck`), whose shape DCP's planner checks against the caller's
   own tensor. A frame that claims, or inflates to, more than the bound is an
   :class:`~dcp_volumes.errors.IntegrityError` before that memory is allocated, so a small
-  crafted item cannot exhaust memory. The decoded item is a ``torch.save`` zip, whose
+  crafted item cannot exhaust memory. A custom transform's stream is read in pieces and
+  stopped past the same bound. The decoded item is a ``torch.save`` zip, whose
   per-record CRC-32 (written by torch by default) is checked (:func:`check_zip_crcs`):
   torch's own zip reader does not check it, and torch's zstd frames carry no checksum.
 """
@@ -24,6 +27,7 @@ in the order listed. Here:
 from __future__ import annotations
 
 import importlib
+import io
 import math
 import struct
 import zlib
@@ -33,7 +37,7 @@ from typing import Any
 from dcp_volumes import errors
 
 __all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "TENSOR_OVERHEAD", "check_transforms",
-           "check_zip_crcs", "decode", "decode_bound", "decoded_limit"]
+           "check_zip_crcs", "checked_registry", "decode", "decode_bound", "decoded_limit"]
 
 #: the most a non-tensor item may decode to (DCP's pickled objects: configs, RNG and
 #: dataloader state, optimizer param groups)
@@ -69,12 +73,18 @@ def _zstd_module(what: str, descriptor: str) -> Any:
         f"neither zstandard nor pyzstd is installed: {_INSTALL}")
 
 
-def check_transforms(descriptors: Sequence[str], what: str) -> tuple[str, ...]:
+def check_transforms(descriptors: Sequence[str], what: str, registry: Any = None
+                     ) -> tuple[str, ...]:
     """The descriptors, once each is known to be decodable here.
 
+    ``registry``: torch's ``ExtensionRegistry`` (what torch's ``FileSystemReader`` takes as
+    ``_extension_registry``) with the custom stream transforms the writer used registered;
+    ``stream.zstd`` is always decoded here, by the bounded decoder.
+
     Raises:
-        UnsupportedTransformError: an unknown transform or version, or ``stream.zstd``
-            without ``zstandard``/``pyzstd``; the message names it and what to install.
+        UnsupportedTransformError: an unknown transform or version (not ``stream.zstd`` and
+            not in ``registry``), or ``stream.zstd`` without ``zstandard``/``pyzstd``; the
+            message names it and what to install or register.
     """
     if isinstance(descriptors, (str, bytes)) or not isinstance(descriptors, Sequence) \
             or len(descriptors) > 8:
@@ -85,10 +95,9 @@ def check_transforms(descriptors: Sequence[str], what: str) -> tuple[str, ...]:
     for descriptor in descriptors:
         name, version = _parse(descriptor, what)
         if name != _ZSTD:
-            raise errors.UnsupportedTransformError(
-                f"{what} was written through the stream transform {descriptor!r}, which "
-                f"dcp_volumes cannot decode (it decodes {_ZSTD!r}, torch's ZStandard "
-                "extension): load it with the torch reader that has that extension registered")
+            _extension(registry, descriptor, what)
+            out.append(descriptor)
+            continue
         if version.partition(".")[0] != "1":
             raise errors.UnsupportedTransformError(
                 f"{what} was written with version {version!r} of {_ZSTD!r}; dcp_volumes "
@@ -96,6 +105,42 @@ def check_transforms(descriptors: Sequence[str], what: str) -> tuple[str, ...]:
         _zstd_module(what, descriptor)
         out.append(descriptor)
     return tuple(out)
+
+
+def checked_registry(registry: Any) -> Any:
+    """``registry`` if it is None or a torch ``ExtensionRegistry`` (duck-typed: torch's
+    class is experimental and not in every version).
+
+    Raises:
+        ConfigError: it has no ``from_descriptor_list``.
+    """
+    if registry is not None and not callable(getattr(registry, "from_descriptor_list", None)):
+        raise errors.ConfigError(
+            "extension_registry= must be a torch ExtensionRegistry (torch.distributed."
+            f"checkpoint._extension), got {type(registry).__name__}")
+    return registry
+
+
+def _extension(registry: Any, descriptor: str, what: str) -> Any:
+    """The registered extension that undoes ``descriptor`` (torch's ``from_descriptor``)."""
+    if registry is None:
+        raise errors.UnsupportedTransformError(
+            f"{what} was written through the stream transform {descriptor!r}, which "
+            f"dcp_volumes does not decode by itself (it decodes {_ZSTD!r}, torch's ZStandard "
+            "extension): register the writer's extension in a torch ExtensionRegistry and "
+            "pass it as VolumeReader(..., extension_registry=registry)")
+    try:
+        (extension,) = registry.from_descriptor_list([descriptor])
+    except Exception as exc:  # torch raises ValueError; a custom from_descriptor anything
+        raise errors.UnsupportedTransformError(
+            f"{what} was written through the stream transform {descriptor!r}, which the "
+            f"extension registry passed to the reader cannot decode ({type(exc).__name__}: "
+            "is its extension registered, at that version?)") from exc
+    if not callable(getattr(extension, "transform_from", None)):
+        raise errors.UnsupportedTransformError(
+            f"{what}: the extension registered for {descriptor!r} is not a stream transform "
+            "(it has no transform_from)")
+    return extension
 
 
 def decoded_limit(chunk_sizes: Sequence[int] | None, element_size: int) -> int:
@@ -115,10 +160,12 @@ def decode_bound(limit: int, stored: int) -> int:
     return max(0, min(limit, stored * MAX_RATIO))
 
 
-def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: str
-           ) -> memoryview:
+def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: str,
+           registry: Any = None) -> memoryview:
     """Undo the transforms (in the order torch lists them), each output at most
-    :func:`decode_bound` of ``limit`` and its input.
+    :func:`decode_bound` of ``limit`` and its input. ``stream.zstd`` is decoded here; any
+    other descriptor by the extension ``registry`` has for it (:func:`check_transforms`),
+    read in pieces and stopped past the same bound.
 
     Raises:
         IntegrityError: the data is not a valid stream of that transform, or claims or
@@ -126,13 +173,50 @@ def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: st
     """
     out = data
     for descriptor in descriptors:
-        module = _zstd_module(what, descriptor)
         bound = decode_bound(limit, len(out))
+        if _parse(descriptor, what)[0] != _ZSTD:
+            out = memoryview(_custom(_extension(registry, descriptor, what), out, bound,
+                                     what, descriptor))
+            continue
+        module = _zstd_module(what, descriptor)
         if module.__name__ == "zstandard":
             out = memoryview(_zstandard(module, out, bound, what))
         else:
             out = memoryview(_pyzstd(module, out, bound, what))
     return out
+
+
+#: what a custom transform's stream is asked for at a time
+_PIECE = 4 * 2**20
+
+
+def _custom(extension: Any, data: memoryview, limit: int, what: str, descriptor: str
+            ) -> bytes:
+    """Read ``extension.transform_from(data)`` to its end, refusing more than ``limit``
+    bytes: the work done is bounded by the bytes held and the item's metadata, never by a
+    number the stream itself carries."""
+    out = bytearray()
+    try:
+        stream = extension.transform_from(io.BytesIO(data))
+        while True:
+            piece = stream.read(min(_PIECE, limit + 1 - len(out)))
+            if piece is None:  # a non-blocking stream with nothing to give: no progress
+                raise ValueError("the stream returned no data before its end")
+            if not piece:
+                break
+            out += piece
+            if len(out) > limit:
+                break
+    except Exception as exc:  # the extension is caller code: whatever it raises
+        raise errors.IntegrityError(
+            f"{what}: its {descriptor!r} stream cannot be decoded ({type(exc).__name__}): "
+            "the stored bytes are corrupt") from exc
+    if len(out) > limit:
+        raise errors.IntegrityError(
+            f"{what}: its {descriptor!r} stream decodes to more than the {limit} bytes its "
+            "metadata and its stored size allow: the stored bytes are damaged or crafted; "
+            "refusing to decode it")
+    return bytes(out)
 
 
 def _bomb(what: str, why: str, limit: int) -> errors.IntegrityError:
@@ -201,7 +285,6 @@ def check_zip_crcs(data: memoryview, what: str) -> None:
     """
     if bytes(data[:4]) != b"PK\x03\x04":
         return
-    import io
     import zipfile
 
     try:
