@@ -276,7 +276,7 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
                 f"{taken} (or is being replaced: {claim}); this save's shards were removed. "
                 "Use a new path, or overwrite=True") from None
     try:
-        if metadata_version(await backend.cat(METADATA, op="read", stats=stats)) != damaged:
+        if await _version_now(backend, stats) != damaged:
             raise errors.CheckpointExistsError(
                 f"{taken} while this one uploaded; this save's shards were removed. Use a new "
                 "path, or overwrite=True to replace it")
@@ -286,9 +286,20 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
         await remove_quietly(backend, [claim])
 
 
-async def _read_or_none(backend: Backend, name: str) -> bytes | None:
+async def _version_now(backend: Backend, stats: CallStats) -> str | None:
+    """:func:`metadata_version` of the stored ``.metadata`` (bounded read); None when it is
+    gone or too large to read (changed, either way)."""
     try:
-        return await backend.cat(name, op="read")
+        return metadata_version(await read_metadata_bytes(backend, stats))
+    except (errors.UnsafeCheckpointError, errors.CheckpointNotFoundError,
+            errors.IncompleteCheckpointError, errors.ObjectNotFoundError):
+        return None
+
+
+async def _read_or_none(backend: Backend, name: str) -> bytes | None:
+    """The first 64 bytes of ``name`` (a claim holds a save id); None when unreadable."""
+    try:
+        return await backend.cat(name, op="read", start=0, end=64)
     except errors.DCPVolumesError:
         return None
 
