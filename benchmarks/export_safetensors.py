@@ -145,26 +145,22 @@ def _ceiling(spec: dict[str, Any]) -> dict[str, Any]:
 def _put(dest: str, opts: dict[str, Any], data: bytes) -> None:
     """One object of ``data`` through our backend's multipart sink and uploader (the
     fastest put this client has: parts in flight, CRC32C instead of SHA-256 signing)."""
-    import functools
     import threading
 
-    from dcp_volumes._spool import SpoolFile
     from dcp_volumes.backends import CallStats, open_backend
     from dcp_volumes.config import TransferOptions
-    from dcp_volumes.transfer.upload import Uploader
+    from dcp_volumes.saving import SpoolFile, Uploader
 
     t = TransferOptions()
     backend = open_backend(dest, opts)
     up = Uploader(backend, part_size=t.part_size, max_concurrency=t.max_concurrency,
                   stats=CallStats(), adaptive=t.adaptive_concurrency)
     slots = threading.Semaphore(t.max_concurrency + 1)
-    f = up.start_file("ceiling.bin", functools.partial(
-        SpoolFile, "ceiling.bin", mode="memory", directory="", part_size=t.part_size,
-        buffer_slots=slots, should_stop=up.raise_if_failed), expected_size=len(data))
-    f.spool.write(data)
-    f.spool.close()
-    f.finish()
-    up.spooling_ended()
+    spool = SpoolFile("ceiling.bin", mode="memory", directory="", part_size=t.part_size,
+                      buffer_slots=slots)
+    up.upload("ceiling.bin", spool.parts, expected_size=len(data))
+    spool.write(data)
+    spool.close()
     up.wait()
 
 

@@ -18,11 +18,11 @@ from dcp_volumes._version import __version__
 
 if TYPE_CHECKING:
     from dcp_volumes._api import load, save
-    from dcp_volumes._staging import release_staging_buffers
     from dcp_volumes.checkpointer import Checkpointer
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.export import ExportReport, SafetensorsReader, export_safetensors
     from dcp_volumes.reader import VolumeReader
+    from dcp_volumes.saving._staging import release_staging_buffers
     from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
 
@@ -61,7 +61,7 @@ _LAZY: dict[str, str] = {
     "ExportReport": "dcp_volumes.export",
     "save": "dcp_volumes._api",
     "load": "dcp_volumes._api",
-    "release_staging_buffers": "dcp_volumes._staging",
+    "release_staging_buffers": "dcp_volumes.saving._staging",
 }
 
 

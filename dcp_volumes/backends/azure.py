@@ -11,9 +11,8 @@ from __future__ import annotations
 import base64
 from typing import Any, ClassVar
 
-from dcp_volumes._spool import Part
 from dcp_volumes.backends.base import Backend, CallStats
-from dcp_volumes.backends.sink import Sink
+from dcp_volumes.backends.sink import Part, Sink
 
 __all__ = ["AzureBackend", "AzureSink"]
 

@@ -12,9 +12,8 @@ import stat
 from typing import Any
 
 from dcp_volumes import errors
-from dcp_volumes._spool import Part
 from dcp_volumes.backends.base import Backend, CallStats, never_retry
-from dcp_volumes.backends.sink import Sink
+from dcp_volumes.backends.sink import Part, Sink
 
 __all__ = ["LocalBackend", "LocalSink"]
 

@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import crc32c
 
 from dcp_volumes import errors
-from dcp_volumes._spool import Part
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
-from dcp_volumes.backends.sink import Sink
+from dcp_volumes.backends.sink import Part, Sink
 
 __all__ = ["PartBody", "S3Backend", "S3Sink", "s3_checksum"]
 

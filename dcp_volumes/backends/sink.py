@@ -1,7 +1,9 @@
 """Sinks: how one shard file becomes durable in a store, part by part.
 
 A backend's :meth:`~dcp_volumes.backends.base.Backend.make_sink` returns one per file; the
-uploader (:mod:`dcp_volumes.transfer.upload`) feeds it parts as the spool fills them.
+uploader (:mod:`dcp_volumes.saving._upload`) feeds it parts as the spool fills them. What a sink
+knows of a part is :class:`Part` (where it sits in the object, its CRC32C), defined here: the
+store layer does not import the save pipeline's records.
 """
 
 from __future__ import annotations
@@ -9,16 +11,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from dcp_volumes._spool import Part
 from dcp_volumes.backends.records import CallStats, never_retry
 
-__all__ = ["Sink", "SinkBackend", "StreamSink"]
+__all__ = ["Part", "Sink", "SinkBackend", "StreamSink"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One contiguous piece of an object, as a sink receives it: numbered from 1, at
+    ``offset``, ``length`` bytes, ``final`` for the object's last part, and the CRC32C of
+    its bytes (S3 sends it as the part's checksum)."""
+
+    number: int
+    offset: int
+    length: int
+    final: bool
+    crc: int
 
 
 class SinkBackend(Protocol):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -39,7 +38,7 @@ from dcp_volumes.config import (
     check_local_tier,
 )
 from dcp_volumes.stats import LoadStats
-from dcp_volumes.tier import DurableBase, LocalCommit, replicate
+from dcp_volumes.tier import DurableBase, replicate
 from dcp_volumes.writer import VolumeWriter
 
 if TYPE_CHECKING:
@@ -342,33 +341,22 @@ class Checkpointer:
 
     def _settle_save(self, writer: VolumeWriter, step: int, url: str,
                      group: dist.ProcessGroup | None) -> None:
-        """After DCP finished a save: complete a local-only one on every rank, or record the
-        durable commit and apply retention."""
+        """After DCP finished a save: ask the writer whether its local-only copy is complete
+        (every rank asks: a collective on ``group``), or record the durable commit and
+        apply retention."""
         if writer.local_only:
-            self._complete_local_only(writer, step, url, group)
+            # the save records the durable checkpoint it continues (see docs/guarantees.md)
+            if writer.local_only_result(group=group, base=self._lineage_base):
+                logger.info("local-only save of step %d written to the local tier (%s)", step,
+                            redact_url(url))
+            else:
+                logger.warning("rank %d: the local-only save of step %d could not be "
+                               "completed in the local tier: it will not be used",
+                               self._rank, step)
             return
         if writer.last_commit is not None:  # the coordinator: the next local-only save's base
             self._base, self._base_known = writer.last_commit, True
         self._after_commit(step, url)
-
-    def _complete_local_only(self, writer: VolumeWriter, step: int, url: str,
-                             group: dist.ProcessGroup | None) -> None:
-        """Every rank stores the coordinator's ``.metadata`` and manifest in its tier, then
-        its descriptor (a collective on ``group``: the bytes come from its rank 0). The save
-        records the durable checkpoint it continues (see ``docs/guarantees.md``)."""
-        commit = writer.take_local_commit()
-        if commit is not None:  # the coordinator
-            commit = dataclasses.replace(commit, base=self._lineage_base())
-        if self._distributed:
-            box: list[Any] = [commit]
-            dist.broadcast_object_list(box, group_src=0, group=group)
-            commit = box[0] if isinstance(box[0], LocalCommit) else None
-        if writer.complete_local_only(commit):
-            logger.info("local-only save of step %d written to the local tier (%s)", step,
-                        redact_url(url))
-        else:
-            logger.warning("rank %d: the local-only save of step %d could not be completed "
-                           "in the local tier: it will not be used", self._rank, step)
 
     def _lineage_base(self) -> DurableBase | None:
         """The durable checkpoint a local-only save continues: the last one this

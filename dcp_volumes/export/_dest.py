@@ -17,7 +17,6 @@ each file is completed and before the commit, so of two racing exports at most o
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import threading
@@ -27,13 +26,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dcp_volumes import errors
-from dcp_volumes._spool import SpoolFile
 from dcp_volumes.backends import Backend, CallStats, redact_url
 from dcp_volumes.backends.local import LocalBackend
 from dcp_volumes.config import TransferOptions
 from dcp_volumes.export import _lease
 from dcp_volumes.export._plan import INDEX, SINGLE, ExportPlan, PlannedFile
-from dcp_volumes.transfer.upload import FileUpload, Uploader
+from dcp_volumes.saving import SpoolFile, Uploader
 
 __all__ = ["Destination", "new_token", "tensor_bytes"]
 
@@ -153,24 +151,21 @@ class Destination:
                             adaptive=t.adaptive_concurrency)
         # parts held in memory: the ones in flight, and one being filled
         slots = threading.Semaphore(t.max_concurrency + 1)
-        uploads: list[FileUpload] = []
+        spools: list[SpoolFile] = []
         fed = 0
         try:
             for pf in files:
                 self.hold()
                 target = self._target(pf.name)
-                upload = uploader.start_file(target, functools.partial(
-                    SpoolFile, target, mode="memory", directory="", part_size=t.part_size,
-                    buffer_slots=slots, should_stop=uploader.raise_if_failed),
-                    expected_size=pf.size)
-                uploads.append(upload)
-                for n in feed(pf, upload.spool):
+                spool = SpoolFile(target, mode="memory", directory="", part_size=t.part_size,
+                                  buffer_slots=slots)
+                spools.append(spool)
+                uploader.upload(target, spool.parts, expected_size=pf.size)
+                for n in feed(pf, spool):
                     if progress is not None:
                         progress(fed + n)
                 self.hold()  # before the last part goes: a one-part file is put by it
-                fed += upload.spool.close()
-                upload.finish()
-            uploader.spooling_ended()
+                fed += spool.close()
             uploader.wait()
             if self.local:
                 self._rename([(self._target(f.name), f.name) for f in files])
@@ -186,8 +181,8 @@ class Destination:
                 raise
             raise lost from exc
         finally:
-            for upload in uploads:
-                upload.spool.discard()
+            for spool in spools:
+                spool.discard()
         self.bytes_written += fed
 
     def _lost(self, exc: BaseException) -> errors.ExportConflictError | None:

@@ -30,13 +30,13 @@ from typing import Any
 
 from dcp_volumes import _dist, errors
 from dcp_volumes._commit import read_committed
-from dcp_volumes._spool import SpoolFile
 from dcp_volumes.backends import open_backend, redact_url
 from dcp_volumes.config import MiB, RetryOptions, TransferOptions
 from dcp_volumes.export._checks import check_claims, check_not_inside
 from dcp_volumes.export._dest import Destination, new_token, tensor_bytes
 from dcp_volumes.export._fetch import Source, source_items
 from dcp_volumes.export._plan import INDEX, ExportPlan, PlannedFile, assign_files, plan_export
+from dcp_volumes.saving import SpoolFile
 
 __all__ = ["ExportReport", "export_safetensors"]
 

@@ -30,8 +30,8 @@ from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from dcp_volumes import errors
-from dcp_volumes._spool import Part
 from dcp_volumes.backends import Backend, CallStats, open_backend, redact_url
+from dcp_volumes.backends.sink import Part
 from dcp_volumes.config import RetryOptions, TransferOptions
 
 __all__ = ["COMMIT_NAME", "VolumeStorage", "VolumeStorageConfig", "manager_config",

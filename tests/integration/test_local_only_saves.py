@@ -89,3 +89,33 @@ def test_a_tier_too_small_fails_the_local_only_save(tmp_path: Path) -> None:
             pytest.raises(errors.SpoolError, match="max_bytes"):
         ckpt.save(1, _state(1), local_only=True)
     assert not list((tmp_path / "tier").glob("*/*/*.distcp"))
+
+
+def test_the_writer_completes_its_own_local_only_save(tmp_path: Path) -> None:
+    """A VolumeWriter used without a Checkpointer: after dcp.save, ``local_only_result``
+    completes the save (the descriptor last, recording the base it asks for) and answers
+    whether this rank's copy is complete; asking again gives the same answer."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_volumes import VolumeWriter
+    from dcp_volumes.tier import DurableBase, find_local_only
+
+    tier = LocalTierOptions(directory=str(tmp_path / "tier"))
+    url = str(tmp_path / "run" / "step-1")
+    writer = VolumeWriter(url, spool=SpoolOptions(directory=str(tmp_path / "spool")),
+                          local_tier=tier, local_only=True)
+    dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    assert find_local_only(tier, lambda u: True) == []  # no descriptor before the result
+    base = DurableBase("file:///elsewhere", "0123abcd-0123456789ab", "00" * 32)
+    asked: list[int] = []
+
+    def lineage() -> DurableBase:
+        asked.append(1)
+        return base
+
+    assert writer.local_only_result(base=lineage) is True
+    assert writer.local_only_result(base=lineage) is True  # the same answer, done once
+    assert asked == [1]
+    [copy] = find_local_only(tier, lambda u: True)
+    assert copy.base == base and copy.world == 1 and copy.rank == 0
+    assert not (tmp_path / "run").exists()  # nothing went to the store

@@ -286,22 +286,21 @@ def test_crc32c_extend_equals_reading_on(n: int) -> None:
 def test_spool_crcs_of_items_blocks_and_parts(nbytes: int, mode: str, tmp_path) -> None:
     import crc32c
 
-    from dcp_volumes._spool import SpoolFile
+    from dcp_volumes.saving import SpoolFile
 
-    parts = []
-    sf = SpoolFile("x", mode=mode, directory=str(tmp_path), part_size=5 << 20,
-                   emit=parts.append)
+    sf = SpoolFile("x", mode=mode, directory=str(tmp_path), part_size=5 << 20)
     head, data, tail = os.urandom(77), os.urandom(nbytes), os.urandom(5)
     sf.begin_item(data_bytes=nbytes, block_size=1 << 20)
     for piece in (head, data, tail):
         sf.write(piece)
     offset, length, crc, layout = sf.end_item()
     sf.close()
+    parts = sf.parts.take()
     whole = head + data + tail
     assert (offset, length, crc) == (0, len(whole), crc32c.crc32c(whole))
     assert layout is not None and layout.data_offset == len(head)
     assert layout.block_crcs == [crc32c.crc32c(data[i:i + (1 << 20)])
                                  for i in range(0, nbytes, 1 << 20)]
-    assert b"".join(bytes(sf.read(p)) for p in parts) == whole
-    assert [p.crc for p in parts] == [crc32c.crc32c(bytes(sf.read(p))) for p in parts]
+    assert b"".join(bytes(p.read()) for p in parts) == whole
+    assert [p.part.crc for p in parts] == [crc32c.crc32c(bytes(p.read())) for p in parts]
     sf.discard()

@@ -37,8 +37,8 @@ from dcp_volumes import (
     errors,
 )
 from dcp_volumes._compat import no_dist
-from dcp_volumes._spool import spool_file_name
 from dcp_volumes.backends.local import LocalBackend
+from dcp_volumes.saving._spool_dir import spool_file_name
 
 MARKER_ENV = "DCPV_TEST_MARKER"
 

@@ -18,12 +18,13 @@ from _direct import direct_supported
 from _error_shapes import ClientErrorShape
 
 from dcp_volumes import errors
-from dcp_volumes._spool import SpoolFile, check_free_space
 from dcp_volumes.backends import open_backend
 from dcp_volumes.backends.records import CallStats
 from dcp_volumes.cli._exit import EXIT_USAGE
 from dcp_volumes.config import RetryOptions
 from dcp_volumes.goodput import FailureModel, TierCosts, plan_intervals
+from dcp_volumes.saving import SpoolFile
+from dcp_volumes.saving._spool_dir import check_free_space
 
 MiB = 1 << 20
 
@@ -84,16 +85,15 @@ def test_enospc_during_a_direct_flush_still_removes_the_spool_file(
     flushes = [0]
 
     def write(fd: int, data: Any) -> int:
-        if fd == direct_fd[0] and sf._direct is not None:  # fd numbers are reused
+        if fd == direct_fd[0] and sf.direct_io:  # fd numbers are reused
             flushes[0] += 1
             if first_flush or flushes[0] > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    sf = SpoolFile("x", mode="disk", directory=str(tmp_path), part_size=5 * MiB,
-                   emit=lambda part: None, direct=True)
-    direct_fd = [sf._fd]
-    assert sf._direct is not None and sf.path is not None
+    sf = SpoolFile("x", mode="disk", directory=str(tmp_path), part_size=5 * MiB, direct=True)
+    direct_fd = [sf._disk._fd]  # type: ignore[union-attr]
+    assert sf.direct_io and sf.path is not None
     monkeypatch.setattr(os, "write", write)
     sf.begin_item()
     with pytest.raises(errors.SpoolError, match="No space left") as info:

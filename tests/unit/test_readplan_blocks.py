@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dcp_volumes import errors
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
-from dcp_volumes._spool import Part, SpoolFile
+from dcp_volumes.saving import SpoolFile
 from dcp_volumes.transfer.readplan import (
     Need,
     apply_need,
@@ -131,8 +131,7 @@ def _write_shard(chunks: list[torch.Tensor], blocked: list[bool], block_size: in
                  ) -> tuple[bytes, list[ItemEntry], list[int]]:
     """Spool ``chunks`` into one shard file the way the writer does (``_write_item``), with
     ``block_size`` blocks instead of 1 MiB; returns the file, its entries and offsets."""
-    parts: list[Part] = []
-    sf = SpoolFile(SHARD, mode="memory", directory="", part_size=1 << 20, emit=parts.append)
+    sf = SpoolFile(SHARD, mode="memory", directory="", part_size=1 << 20)
     entries, offsets = [], []
     for tensor, want_blocks in zip(chunks, blocked):
         partial = want_blocks and tensor.nbytes >= MIN_BLOCKED_BYTES
@@ -148,7 +147,8 @@ def _write_shard(chunks: list[torch.Tensor], blocked: list[bool], block_size: in
         entries.append(entry)
         offsets.append(offset)
     sf.close()
-    data = b"".join(bytes(p.buffer or b"") for p in sorted(parts, key=lambda p: p.number))
+    parts = sf.parts.take()
+    data = b"".join(bytes(p.buffer or b"") for p in sorted(parts, key=lambda p: p.part.number))
     assert len(data) == sf.tell()
     for tensor, entry, offset in zip(chunks, entries, offsets):
         assert crc32c.crc32c(data[offset:offset + entry.length]) == entry.crc

@@ -23,8 +23,8 @@ from dcp_volumes import (
     SpoolOptions,
     VolumeReader,
 )
-from dcp_volumes._spool import SpoolFile
 from dcp_volumes.errors import ConfigError
+from dcp_volumes.saving import PartStream, SpooledPart, SpoolFile
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -36,16 +36,15 @@ MiB = 1 << 20
 
 
 def _spool(directory: Path, part_size: int, pieces: list[bytes], direct: bool
-           ) -> tuple[SpoolFile, list[Any], bytes]:
-    parts: list[Any] = []
+           ) -> tuple[SpoolFile, list[SpooledPart], bytes]:
     sf = SpoolFile("x", mode="disk", directory=str(directory), part_size=part_size,
-                   emit=parts.append, direct=direct)
+                   direct=direct)
     sf.begin_item()
     for piece in pieces:
         sf.write(piece)
     sf.end_item()
     sf.close()
-    return sf, parts, b"".join(pieces)
+    return sf, sf.parts.take(), b"".join(pieces)
 
 
 @pytest.mark.parametrize("part_size", [5 * MiB, 5 * MiB + 3])
@@ -62,13 +61,12 @@ def test_direct_spool_matches_the_cached_one(disk_dir: Path, sizes: list[int],
     direct, dparts, whole = _spool(disk_dir / "d", part_size, pieces, True)
     cached, cparts, _ = _spool(disk_dir / "c", part_size, pieces, False)
     try:
-        assert direct._direct is not None  # it did use O_DIRECT
-        assert cached._direct is None
-        assert [(p.number, p.offset, p.length, p.final, p.crc) for p in dparts] == \
-            [(p.number, p.offset, p.length, p.final, p.crc) for p in cparts]
-        assert b"".join(bytes(direct.read(p)) for p in dparts) == whole
-        assert [p.crc for p in dparts] == [crc32c.crc32c(bytes(direct.read(p)))
-                                           for p in dparts]
+        assert direct.direct_io  # it did use O_DIRECT
+        assert not cached.direct_io
+        assert [p.part for p in dparts] == [p.part for p in cparts]  # number, offset, ..., crc
+        assert b"".join(bytes(p.read()) for p in dparts) == whole
+        assert [p.part.crc for p in dparts] == [crc32c.crc32c(bytes(p.read()))
+                                                for p in dparts]
         assert direct.path is not None
         assert os.path.getsize(direct.path) == len(whole)  # the padding is gone
         with open(direct.path, "rb") as f:
@@ -83,14 +81,15 @@ def test_a_part_goes_out_only_once_written(disk_dir: Path) -> None:
     """Parts are handed out while the file is still being written, and each one handed out
     is already readable in full."""
     seen: list[bytes] = []
-    holder: dict[str, SpoolFile] = {}
 
-    def emit(part: Any) -> None:
-        seen.append(bytes(holder["sf"].read(part)))
+    class ReadAtOnce(PartStream):
+        """Reads each part the moment the spool hands it out."""
 
-    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB, emit=emit,
-                   direct=True)
-    holder["sf"] = sf
+        def put(self, part: SpooledPart) -> None:
+            seen.append(bytes(part.read()))
+
+    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB,
+                   direct=True, parts=ReadAtOnce())
     pieces = [os.urandom(MiB) for _ in range(23)]
     sf.begin_item()
     for i, piece in enumerate(pieces):
@@ -113,8 +112,8 @@ def test_tmpfs_falls_back_to_cached_writes() -> None:
     try:
         if direct_supported(directory):
             pytest.skip("this tmpfs takes O_DIRECT")
-        assert sf._direct is None
-        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+        assert not sf.direct_io
+        assert b"".join(bytes(p.read()) for p in parts) == whole
     finally:
         sf.discard()
         os.rmdir(directory)
@@ -126,8 +125,8 @@ def test_no_o_direct_on_the_platform_means_cached_writes(tmp_path: Path,
     monkeypatch.setattr(os, "O_DIRECT", 0, raising=False)
     sf, parts, whole = _spool(tmp_path, 5 * MiB, [os.urandom(6 * MiB)], True)
     try:
-        assert sf._direct is None
-        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
+        assert not sf.direct_io
+        assert b"".join(bytes(p.read()) for p in parts) == whole
     finally:
         sf.discard()
 
@@ -142,17 +141,15 @@ def test_a_filesystem_refusing_direct_writes_falls_back(disk_dir: Path, sizes: l
     real_write = os.write
 
     def write(fd: int, data: Any) -> int:
-        if fd == direct_fd[0] and sf._direct is not None:  # fd numbers are reused
+        if fd == direct_fd[0] and sf.direct_io:  # fd numbers are reused
             refused.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 
     pieces = [os.urandom(n) for n in sizes]
-    parts: list[Any] = []
-    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB,
-                   emit=parts.append, direct=True)
-    direct_fd = [sf._fd]
-    assert sf._direct is not None
+    sf = SpoolFile("x", mode="disk", directory=str(disk_dir), part_size=5 * MiB, direct=True)
+    direct_fd = [sf._disk._fd]  # type: ignore[union-attr]
+    assert sf.direct_io
     monkeypatch.setattr(os, "write", write)
     try:
         sf.begin_item()
@@ -160,11 +157,12 @@ def test_a_filesystem_refusing_direct_writes_falls_back(disk_dir: Path, sizes: l
             sf.write(piece)
         sf.end_item()
         sf.close()
+        parts = sf.parts.take()
         monkeypatch.setattr(os, "write", real_write)
         whole = b"".join(pieces)
-        assert refused and sf._direct is None
-        assert b"".join(bytes(sf.read(p)) for p in parts) == whole
-        assert [p.crc for p in parts] == [crc32c.crc32c(bytes(sf.read(p))) for p in parts]
+        assert refused and not sf.direct_io
+        assert b"".join(bytes(p.read()) for p in parts) == whole
+        assert [p.part.crc for p in parts] == [crc32c.crc32c(bytes(p.read())) for p in parts]
         assert sf.path is not None
         with open(sf.path, "rb") as f:
             assert f.read() == whole

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_volumes import VolumeReader, VolumeWriter, release_staging_buffers
 from dcp_volumes._compat import no_dist
-from dcp_volumes._staging import _POOL
 from dcp_volumes.errors import CheckpointExistsError
+from dcp_volumes.saving._staging import _POOL
 
 
 @pytest.fixture(autouse=True)

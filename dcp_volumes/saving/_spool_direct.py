@@ -1,7 +1,7 @@
 """``O_DIRECT`` for the disk spool: opening a spool file for direct I/O, the alignment its
 offsets and lengths need, aligned reads, and releasing the aligned write buffer.
 
-:class:`~dcp_volumes._spool.SpoolFile` gathers bytes in one page-aligned buffer
+:class:`~dcp_volumes.saving._spool_disk.DiskFile` gathers bytes in one page-aligned buffer
 (:data:`DIRECT_BUFFER`, an anonymous ``mmap``) and writes it out whole; where the filesystem
 refuses ``O_DIRECT`` (at open, or at the first write) the file goes through the page cache.
 """

@@ -1,38 +1,9 @@
-"""Staging for ``dcp.async_save``: copy the state dict into CPU buffers reused across saves.
-
-*Stage* is torch's word for making a training-safe CPU copy before the background save;
-it is unrelated to our *spool*. Allocating a fresh copy each time costs a page-faulting
-clone; copying into buffers allocated once costs a plain memcpy (pinned when CUDA is
-available, which makes device-to-host copies faster).
-
-The buffers belong to the process, not to a writer: one pool, keyed by the state's layout
-(keys, shapes, dtypes, strides), serves every :class:`~dcp_volumes.VolumeWriter` of the
-process, so a fresh writer per step reuses them as well as one writer kept across saves.
-
-Safety: a buffer set is handed out again only after the save that read it has finished
-reading, learnt in one of two ways, whichever comes first:
-
-* ``write_data`` returned or failed (the writer calls :meth:`StagingBuffers.finished_reading`,
-  which finds the set by the storage of a tensor the save read: exact even when saves
-  overlap and finish out of order);
-* nothing references the staged tensors any more (the save's thread ended, for instance
-  one that failed while planning and never reached ``write_data``): every staged tensor is
-  an alias of a buffer carrying a token, and a finalizer on the token returns the set.
-
-Saves started with ``AsyncCheckpointerType.PROCESS`` read the buffers in another process,
-which neither signal observes: pickling a writer (which PROCESS mode does for every save)
-drops the sets that writer staged instead of returning them, and its later saves get fresh
-buffers that never join the pool.
-
-Memory is bounded: at most ``_MAX_IDLE`` idle sets are kept, all of the latest layout
-staged; a stage of another layout frees the idle sets of the old one ("the layout
-changed"), and :func:`release_staging_buffers` frees them on request. Sets out with a
-running save are freed when it ends, unless they may go back to the pool.
-"""
+"""The process's pool of staging buffer sets (:class:`StagingPool`): which sets are idle,
+which are out with a save, and when a set may be handed out again (see
+:mod:`dcp_volumes.saving._staging` for the rules)."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections import deque
@@ -42,7 +13,7 @@ import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["StagingBuffers", "release_staging_buffers"]
+__all__ = ["StagingPool"]
 
 #: idle buffer sets kept per process (all of the latest layout): one covers saves that do
 #: not overlap; overlapping saves allocate for the extra set, freed when they end.
@@ -105,7 +76,7 @@ class _Token:
     __slots__ = ("__weakref__",)
 
 
-class _Pool:
+class StagingPool:
     """The process's staging buffer sets: idle ones, and those out with a save."""
 
     def __init__(self) -> None:
@@ -124,36 +95,15 @@ class _Pool:
               reuse: bool) -> tuple[dict[str, Any], bool]:
         """A staged copy of ``state_dict``, and whether its buffers were allocated now."""
         sig = _signature(state_dict)
-        found: _BufferSet | None = None
-        allocated = False
-        with self._lock:
-            self._file_ended()
-            if reuse:
-                if sig != self._layout:  # the layout changed: free the old one's idle sets
-                    self._idle = [e for e in self._idle if e[0].sig == sig]
-                    self._layout = sig
-                for i, (bs, _) in enumerate(self._idle):
-                    if bs.sig == sig:
-                        found = self._idle.pop(i)[0]
-                        break
+        found = self._take_idle(sig, reuse)
+        allocated = found is None
         if found is None:
             pin = torch.cuda.is_available()
             found = _BufferSet(sig, _create_cpu_state_dict(state_dict, pin_memory=pin))
-            allocated = True
             with self._lock:
                 self.allocations += 1
         lease = _Lease(found, owner, keep=reuse)
-        try:
-            cuda = torch.cuda.is_available()
-            # the copy's structure, not found.buffers: non-tensor values are this state's
-            copied = _copy_state_dict(state_dict, found.buffers, non_blocking=cuda,
-                                      type_check=False)
-            if cuda:
-                torch.cuda.synchronize()
-        except BaseException:
-            lease.keep = False  # a copy may still be in flight into it: drop, don't reuse
-            self._end(lease)
-            raise
+        copied = self._copy(state_dict, lease, found)
         token = _Token()
 
         def alias(t: torch.Tensor) -> torch.Tensor:
@@ -169,6 +119,38 @@ class _Pool:
                     self._out[p] = lease
         weakref.finalize(token, self._collected, lease).atexit = False
         return staged, allocated
+
+    def _take_idle(self, sig: Any, reuse: bool) -> _BufferSet | None:
+        """An idle set of layout ``sig``, taken out of the pool (None if there is none, or
+        without ``reuse``). A new layout frees the idle sets of the old one."""
+        with self._lock:
+            self._file_ended()
+            if not reuse:
+                return None
+            if sig != self._layout:  # the layout changed: free the old one's idle sets
+                self._idle = [e for e in self._idle if e[0].sig == sig]
+                self._layout = sig
+            for i, (bs, _) in enumerate(self._idle):
+                if bs.sig == sig:
+                    return self._idle.pop(i)[0]
+        return None
+
+    def _copy(self, state_dict: dict[str, Any], lease: _Lease,
+              found: _BufferSet) -> dict[str, Any]:
+        """``state_dict`` copied into ``found``'s buffers (waited for on CUDA); a failed copy
+        ends ``lease`` without returning the set (a copy may still be in flight into it)."""
+        try:
+            cuda = torch.cuda.is_available()
+            # the copy's structure, not found.buffers: non-tensor values are this state's
+            copied: dict[str, Any] = _copy_state_dict(state_dict, found.buffers,
+                                                      non_blocking=cuda, type_check=False)
+            if cuda:
+                torch.cuda.synchronize()
+        except BaseException:
+            lease.keep = False  # a copy may still be in flight into it: drop, don't reuse
+            self._end(lease)
+            raise
+        return copied
 
     # ---- take back --------------------------------------------------------------------
     def finished_reading(self, tensor: torch.Tensor) -> None:
@@ -234,57 +216,3 @@ class _Pool:
         with self._lock:
             self._file_ended()
             return len(self._idle)
-
-
-_POOL = _Pool()
-_owners = itertools.count(1)
-
-
-def release_staging_buffers() -> None:
-    """Free this process's idle ``dcp.async_save`` staging buffers now.
-
-    Buffers still read by a running save are freed when that save ends. The next
-    ``async_save`` allocates afresh (one page-faulting copy), and later ones reuse again.
-    """
-    _POOL.drop()
-
-
-class StagingBuffers:
-    """One writer's view of the process's staging pool."""
-
-    def __init__(self) -> None:
-        self._owner = next(_owners)
-        self.reuse = True
-        self.allocations = 0  # buffer sets this writer's stages allocated (not reused)
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        staged, allocated = _POOL.stage(state_dict, owner=self._owner, reuse=self.reuse)
-        self.allocations += allocated
-        return staged
-
-    def finished_reading(self, items: list[Any], planner: Any) -> None:
-        """The save that wrote ``items`` (``write_data`` returned or failed) has finished
-        reading its staged tensors: hand their buffer set out again."""
-        for item in items:
-            if item.tensor_data is None:
-                continue
-            try:
-                data = planner.resolve_data(item)
-            except Exception:  # noqa: BLE001 -- best effort: the finalizer returns it anyway
-                return
-            if isinstance(data, torch.Tensor):
-                _POOL.finished_reading(data)
-            return
-
-    def disable_reuse(self) -> None:
-        """Another process reads what this writer staged, where we cannot see it finish:
-        drop those sets, and stage into fresh buffers that never join the pool."""
-        self.reuse = False
-        _POOL.drop(self._owner)
-
-    def close(self) -> None:
-        """Free the buffer sets this writer staged last (idle, or once their save ends).
-
-        The pool lets go of an idle set at once, even while someone (the thread of a
-        finished ``async_save``) still holds the staged copy: the memory goes with it."""
-        _POOL.drop(self._owner)

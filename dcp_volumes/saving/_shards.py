@@ -1,7 +1,8 @@
-"""The one spool loop: a rank's write items split into shard files by size, each item
-serialized into its file exactly as torch's ``FileSystemWriter`` writes it, and the id a
-rank names its shard files with. A durable save streams the files to the store as they fill;
-a local-only save keeps them on local disk; both go through :func:`spool_items`.
+"""A rank's shard files: its write items split into files by size (:func:`plan_shards`),
+each item serialized into its file exactly as torch's ``FileSystemWriter`` writes it
+(:meth:`ShardFiles.fill`), and the id a rank names its shard files with. A durable save
+streams each file's parts to the store as it fills; a local-only save keeps the files on
+local disk; both fill them the same way.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes import _compat, _layout
 from dcp_volumes._manifest import CheckedWriteResult, ItemEntry
-from dcp_volumes._spool import SpoolFile
+from dcp_volumes.saving._spool import SpoolFile
 
 __all__ = [
     "DATA_BLOCK",
+    "Shard",
     "ShardFiles",
     "claim_shard_id",
     "cpu_tensor",
     "item_nbytes",
+    "plan_shards",
+    "serializing",
     "split_by_size",
-    "spool_items",
     "write_item",
 ]
 
@@ -90,7 +93,7 @@ _zip_crc_previous: bool | None = None
 
 
 @contextlib.contextmanager
-def _without_torch_zip_crc() -> Iterator[None]:
+def serializing() -> Iterator[None]:
     """Skip torch.save's own zip CRC32 while we serialize: every item already gets a
     CRC32C from the spool, and torch's readers do not check the zip CRC. (A process-wide
     torch setting: restored when the last concurrent save in this process ends.)"""
@@ -147,31 +150,44 @@ def write_item(sf: SpoolFile, item: WriteItem, planner: SavePlanner,
                               crc32c=crc, layout=entry)
 
 
-#: opens one shard file: (relative path, expected bytes) -> its spool, and what to call
-#: once every item is in it
-OpenFile = Callable[[str, int], tuple[SpoolFile, Callable[[], None]]]
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One shard file of a rank's save: its name and the items it holds."""
+
+    relative: str
+    items: list[WriteItem]
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor bytes it will hold (its size, give or take the zip framing)."""
+        return sum(map(item_nbytes, self.items))
+
+
+def plan_shards(items: list[WriteItem], *, files: int,
+                shard_path: Callable[[int], str]) -> list[Shard]:
+    """``items`` in at most ``files`` shard files, balanced by size; file ``i`` is named
+    ``shard_path(i)``."""
+    return [Shard(shard_path(i), bucket)
+            for i, bucket in enumerate(split_by_size(files, items))]
 
 
 @dataclasses.dataclass
 class ShardFiles:
-    """What :func:`spool_items` wrote: the spool files (the caller discards them, also
-    after a failure), the write results and the bytes."""
+    """A rank's shard files as they are written: the spool files (the caller discards them,
+    also after a failure), the write results and the bytes."""
 
     spools: list[SpoolFile] = dataclasses.field(default_factory=list)
     results: list[WriteResult] = dataclasses.field(default_factory=list)
     nbytes: int = 0
 
+    def track(self, sf: SpoolFile) -> SpoolFile:
+        """Count ``sf`` among the spool files (before anything else can fail)."""
+        self.spools.append(sf)
+        return sf
 
-def spool_items(out: ShardFiles, items: list[WriteItem], planner: SavePlanner, *,
-                files: int, shard_path: Callable[[int], str], open_file: OpenFile) -> None:
-    """Serialize ``items`` into at most ``files`` shard files, balanced by size; file ``i``
-    is named ``shard_path(i)`` and opened by ``open_file``. Fills ``out`` as it goes."""
-    with _without_torch_zip_crc():
-        for index, bucket in enumerate(split_by_size(files, items)):
-            relative = shard_path(index)
-            sf, done = open_file(relative, sum(map(item_nbytes, bucket)))
-            out.spools.append(sf)
-            for item in bucket:
-                out.results.append(write_item(sf, item, planner, relative))
-            out.nbytes += sf.close()
-            done()
+    def fill(self, sf: SpoolFile, shard: Shard, planner: SavePlanner) -> None:
+        """Serialize ``shard``'s items into ``sf`` (inside :func:`serializing`) and close it:
+        its last part goes out and its part stream ends."""
+        for item in shard.items:
+            self.results.append(write_item(sf, item, planner, shard.relative))
+        self.nbytes += sf.close()
