@@ -13,12 +13,17 @@ Example::
 
 Modules: ``_policy`` (the cadences: a frozen :class:`SavePolicy` with an injectable clock),
 ``_resume`` (what to resume from: a pure choice over what the ranks report, and its
-collectives), ``_checkpointer`` (the object itself).
+collectives), ``_checkpointer`` (the object itself), ``_restore`` (its resume),
+``_fallback`` (the resume loop every integration uses: the newest checkpoint that
+verifies), ``_run`` (the run's identity and its lease on the root).
 """
 
 from __future__ import annotations
 
 from dcp_volumes.checkpointer._checkpointer import Checkpointer
+from dcp_volumes.checkpointer._fallback import candidates, load_newest
 from dcp_volumes.checkpointer._policy import Marks, SaveKind, SavePolicy, retain
+from dcp_volumes.checkpointer._run import RunIdentity
 
-__all__ = ["Checkpointer", "Marks", "SaveKind", "SavePolicy", "retain"]
+__all__ = ["Checkpointer", "Marks", "RunIdentity", "SaveKind", "SavePolicy", "candidates",
+           "load_newest", "retain"]

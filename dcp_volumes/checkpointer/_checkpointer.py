@@ -114,6 +114,9 @@ class Checkpointer:
             ``step_format``.
         clock: the monotonic clock ``every_seconds`` / ``local_every_seconds`` are judged by
             (``time.monotonic``; tests and simulations pass their own).
+        alone: this process saves and resumes by itself, with no collective, even when
+            torch.distributed is initialized (DCP's ``no_dist``): for a caller that runs on
+            one rank only, as Lightning's ``CheckpointIO`` on rank 0.
         run_id: names this run across its restarts (default: ``DCP_VOLUMES_RUN_ID``,
             ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``, else one id per process). The first
             save takes a lease on ``root`` for the run; a save while another run holds it
@@ -149,6 +152,7 @@ class Checkpointer:
         clock: Callable[[], float] = time.monotonic,
         autopilot: AutopilotOptions | None = None,
         run_id: str | None = None,
+        alone: bool = False,
     ) -> None:
         url = os.fspath(root)
         self.storage_options = StoreLocation.parse(url, storage_options).options
@@ -171,6 +175,9 @@ class Checkpointer:
         self.step_format = step_format
         self.step_pattern = catalog.compile_step_pattern(step_pattern)
         check_step_format(step_format, self.step_pattern)
+        self.alone = bool(alone)
+        if self.alone and self.async_save:
+            raise errors.ConfigError("alone=True saves synchronously: drop async_save=True")
         self._init_state(run_id)
 
     def _init_state(self, run_id: str | None) -> None:
@@ -188,7 +195,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         # Groups: control collectives (should_save, latest, sync save, load) run on the caller's
         # thread; background saves get a group of their own so the two never interleave.
-        self._distributed = dist.is_available() and dist.is_initialized()
+        self._distributed = not self.alone and dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._ctl_group: dist.ProcessGroup | None = None
         self._save_group: dist.ProcessGroup | None = None
@@ -302,7 +309,7 @@ class Checkpointer:
         if not self.async_save:
             with typed_errors():
                 dcp.save(state_dict, checkpoint_id=url, storage_writer=writer,
-                         process_group=self._ctl_group)
+                         process_group=self._ctl_group, **self._no_dist())
             self._settle_save(writer, step, url, self._ctl_group)
             replicate(self.local_tier, url, group=self._ctl_group)
             self._autopilot.track(kind, started, writer, None)
@@ -317,6 +324,9 @@ class Checkpointer:
         self._pending = watch(step, url, _compat.upload_future(response), self._autopilot.track(
             kind, started, writer, lambda: self._settle_save(writer, step, url, self._save_group)))
         return True
+
+    def _no_dist(self) -> dict[str, bool]:
+        return _compat.no_dist() if self.alone else {}
 
     def _kind(self, step: int, force: bool, local_only: bool | None) -> SaveKind | None:
         """Which save :meth:`save` makes at ``step`` (None: none is due)."""

@@ -45,28 +45,32 @@ def _older(root: str, storage_options: dict[str, Any] | None,
 
 
 def candidates(root: str, *, storage_options: dict[str, Any] | None = None,
-               step_pattern: str | re.Pattern[str] | None = None, process_group: Any = None
-               ) -> Iterator[catalog.CheckpointInfo]:
+               step_pattern: str | re.Pattern[str] | None = None, process_group: Any = None,
+               alone: bool = False) -> Iterator[catalog.CheckpointInfo]:
     """The complete checkpoints under ``root``, newest first, the same on every rank: the
     first from :func:`~dcp_volumes.catalog.latest`; the others, only when asked for, from
-    one more listing on rank 0 (broadcast on ``process_group``, as ``latest`` does)."""
+    one more listing on rank 0 (broadcast on ``process_group``, as ``latest`` does).
+    ``alone``: this process lists by itself, no collective."""
     first = catalog.latest(root, storage_options=storage_options, step_pattern=step_pattern,
-                           process_group=process_group)
+                           process_group=process_group, broadcast=not alone)
     if first is None:
         return
     yield first
-    distributed = process_group is not None or (
-        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    distributed = not alone and (process_group is not None or (
+        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
     yield from from_rank0(lambda: _older(root, storage_options, step_pattern, first),
                           process_group, distributed)
 
 
 def load_newest(found: Iterator[catalog.CheckpointInfo],
-                load: Callable[[catalog.CheckpointInfo], T]
+                load: Callable[[catalog.CheckpointInfo], T], *,
+                while_loading: Callable[[], bool] = lambda: True
                 ) -> tuple[catalog.CheckpointInfo, T] | None:
     """``load`` the first of ``found`` whose data verifies: ``(its info, what load
     returned)``, or None when ``found`` is empty. Every rank must see the same ``found``
-    and call this together (``load`` is collective).
+    and call this together (``load`` is collective). ``while_loading()`` says whether an
+    IntegrityError came from the checkpoint's load (a ``load`` that goes on to train after
+    loading says False once it has loaded: a later error is raised, never retried).
 
     Raises:
         IntegrityError: no candidate verified (the newest one's error).
@@ -77,6 +81,8 @@ def load_newest(found: Iterator[catalog.CheckpointInfo],
         try:
             return info, load(info)
         except errors.IntegrityError as exc:
+            if not while_loading():
+                raise
             logger.warning("checkpoint %s (step %s) is damaged and was skipped: %s. Resuming "
                            "from the next older complete checkpoint; `dcp-volumes verify %s` "
                            "shows what is damaged", redact_url(info.url), info.step, exc,

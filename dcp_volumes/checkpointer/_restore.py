@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from dcp_volumes import catalog, errors
+from dcp_volumes import _compat, catalog, errors
 from dcp_volumes._api import typed_errors
 from dcp_volumes.backends import redact_url
 from dcp_volumes.checkpointer._fallback import candidates, load_newest
@@ -60,7 +60,8 @@ class Restorer:
         """Load the save to resume from into ``state_dict`` (collective on ``group``);
         None when there is none (``state_dict`` untouched)."""
         found = candidates(self.root, storage_options=self.storage_options,
-                           step_pattern=self.step_pattern, process_group=self.group)
+                           step_pattern=self.step_pattern, process_group=self.group,
+                           alone=not self.distributed)
         info = next(found, None)
         local = self._newest_local_only(info)
         if local is not None:
@@ -88,7 +89,8 @@ class Restorer:
                               safe_globals=self.safe_globals, local_tier=self.local_tier,
                               local_commit=commit)
         with typed_errors(lambda: reader.last_error):
-            dcp.load(state_dict, storage_reader=reader, process_group=self.group)
+            dcp.load(state_dict, storage_reader=reader, process_group=self.group,
+                     **({} if self.distributed else _compat.no_dist()))
         logger.info("resumed from %s%s", redact_url(url),
                     " (a local-only save)" if commit is not None else "")
         return reader.last_stats

@@ -13,7 +13,8 @@ epoch, ...) from rank 0; it does not route that save through ``CheckpointIO``. H
   (``"lightning_meta"``, ``torch.save`` bytes), so it is committed by the same ``.metadata``:
   a checkpoint is never listed as resumable before everything Lightning needs is durable.
 * :class:`VolumeCheckpointIO` is a ``CheckpointIO`` for full state dicts (DDP, single device):
-  rank 0 saves through ``VolumeWriter`` alone, in the same layout.
+  rank 0 saves through a :class:`~dcp_volumes.Checkpointer` of its own process
+  (``alone=True``), in the same layout.
 * :func:`latest_checkpoint` / ``strategy.resume_path()``: the newest complete checkpoint under
   the run root, found by one listing (:func:`dcp_volumes.catalog.latest`), for
   ``trainer.fit(..., ckpt_path=...)`` or ``fabric.load(...)``.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,10 +54,9 @@ from torch.optim import Optimizer
 
 import dcp_volumes
 from dcp_volumes import catalog, errors
-from dcp_volumes._api import typed_errors
 from dcp_volumes.backends import StoreLocation, redact_url
-from dcp_volumes.checkpointer import Checkpointer, retain
-from dcp_volumes.reader import VolumeReader
+from dcp_volumes.checkpointer import Checkpointer
+from dcp_volumes.integrations._full_state import load_full_state
 
 __all__ = [
     "META_KEY",
@@ -79,15 +80,24 @@ def _meta_bytes(meta: Mapping[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def _meta_from(blob: Any, weights_only: bool | None, where: str) -> dict[str, Any]:
+def _meta_from(blob: Any, weights_only: bool | None, where: str,
+               safe_globals: Sequence[Any]) -> dict[str, Any]:
     """Lightning's metadata back from the stored bytes (untrusted: ``weights_only`` unless
-    the caller passed ``weights_only=False``, as for Lightning's own ``meta.pt``)."""
+    the caller passed ``weights_only=False``, as for Lightning's own ``meta.pt``; the
+    classes in ``safe_globals`` allowed, as for every other item)."""
     if not isinstance(blob, (bytes, bytearray)) or not blob:
         raise errors.ConfigError(
             f"{where} has no {META_KEY!r} item: it was not saved by this integration; load it "
             "with dcp_volumes.VolumeReader directly")
-    meta = torch.load(io.BytesIO(bytes(blob)), weights_only=weights_only is not False,
-                      map_location="cpu")
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            meta = torch.load(io.BytesIO(bytes(blob)), weights_only=weights_only is not False,
+                              map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        raise errors.UnsafeCheckpointError(
+            f"{where}: Lightning's metadata (hyperparameters, callback or loop state) "
+            "references a class that is not allowed: pass it in safe_globals=[...] to the "
+            f"strategy or VolumeCheckpointIO ({exc})") from exc
     if not isinstance(meta, dict):
         raise errors.UnsafeCheckpointError(f"{where}: {META_KEY!r} is not a dict")
     return meta
@@ -168,7 +178,7 @@ class _Volumes:
                                      options=StateDictOptions(cpu_offload=True))
         self.last_step = None
         logger.info("resumed from %s", redact_url(url))
-        return _meta_from(state[META_KEY], weights_only, redact_url(url))
+        return _meta_from(state[META_KEY], weights_only, redact_url(url), ckpt.safe_globals)
 
     def close(self) -> None:
         if self._checkpointer is not None:
@@ -361,20 +371,22 @@ def _one_module(state: Mapping[str, Any]) -> Module:
 class VolumeCheckpointIO(CheckpointIO):
     """A ``CheckpointIO`` for full (not sharded) checkpoints: DDP and single-device runs,
     where Lightning calls it on rank 0 only. Checkpoint ``N`` goes to ``{root}/step-N``
-    through :class:`~dcp_volumes.VolumeWriter` (tensors as DCP items, the rest as one
-    ``torch.save`` item); the path Lightning passes only says that a save is due.
+    through a :class:`~dcp_volumes.Checkpointer` of this process alone (tensors as DCP items,
+    the rest as one ``torch.save`` item; retention after each commit); the path Lightning
+    passes only says that a save is due.
 
     Pass it as ``Trainer(plugins=[VolumeCheckpointIO(root, ...)])`` and resume with
-    ``ckpt_path=io.resume_path()``.
+    ``ckpt_path=io.resume_path()``. ``**options`` are the Checkpointer's ``spool``,
+    ``transfer``, ``retry``, ``run_id``.
     """
 
     def __init__(self, root: str | os.PathLike[str], /, *,
                  storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, overwrite: bool = False,
-                 safe_globals: Sequence[Any] = (), **writer_options: Any) -> None:
+                 safe_globals: Sequence[Any] = (), **options: Any) -> None:
         self.volumes = _Volumes(root, storage_options, _options(
-            keep_last, keep_every, overwrite, {"safe_globals": tuple(safe_globals)}))
-        self.writer_options = writer_options
+            keep_last, keep_every, overwrite,
+            {"safe_globals": tuple(safe_globals), "alone": True, **options}))
 
     def url_for(self, step: int) -> str:
         return self.volumes.url_for(step)
@@ -389,37 +401,22 @@ class VolumeCheckpointIO(CheckpointIO):
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("pass storage_options to VolumeCheckpointIO(...)")
-        v = self.volumes
-        step = int(checkpoint.get("global_step", 0))
-        if step == v.last_step:  # top-k and save_last at one step: the same state
-            logger.info("checkpoint of step %d already saved: not saved again", step)
-            return
         rest = {k: x for k, x in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         state: dict[str, Any] = {"state_dict": checkpoint.get("state_dict", {}),
-                                 "optimizer_states": list(checkpoint.get("optimizer_states", [])),
-                                 META_KEY: _meta_bytes(rest)}
-        dcp_volumes.save(state, self.url_for(step), storage_options=v.storage_options,
-                         no_dist=True, overwrite=bool(v.options["overwrite"]),
-                         **self.writer_options)
-        v.last_step = step
-        logger.info("checkpoint of step %d committed at %s", step, redact_url(self.url_for(step)))
-        if v.options["keep_last"] is not None or v.options["keep_every"] is not None:
-            retain(v.root, step, keep_last=v.options["keep_last"],
-                   keep_every=v.options["keep_every"], storage_options=v.storage_options,
-                   step_pattern=None)
+                                 "optimizer_states": list(checkpoint.get("optimizer_states", []))}
+        self.volumes.save(int(checkpoint.get("global_step", 0)), state, rest)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         # the state is rebuilt from .metadata (dcp.load would load into given keys only);
         # every rank that calls this loads it all (DDP: each rank, as Lightning does)
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
         url = os.fspath(path)
-        reader = VolumeReader(url, storage_options=self.volumes.storage_options,
-                              safe_globals=self.volumes.options["safe_globals"])
-        with typed_errors(lambda: reader.last_error):
-            state = _load_state_dict_from_keys(storage_reader=reader)
-        checkpoint = _meta_from(state.pop(META_KEY, None), weights_only, redact_url(url))
+        ckpt = self.volumes.checkpointer
+        state = load_full_state(url, storage_options=self.volumes.storage_options,
+                                transfer=ckpt.transfer, retry=ckpt.retry,
+                                safe_globals=ckpt.safe_globals)
+        checkpoint = _meta_from(state.pop(META_KEY, None), weights_only, redact_url(url),
+                                ckpt.safe_globals)
         checkpoint["state_dict"] = state.get("state_dict", {})
         checkpoint["optimizer_states"] = [_param_ids(o) for o in
                                           _as_list(state.get("optimizer_states", []))]
@@ -430,7 +427,7 @@ class VolumeCheckpointIO(CheckpointIO):
         logger.debug("asked to remove %s: retention is keep_last/keep_every", path)
 
     def teardown(self) -> None:
-        pass
+        self.volumes.close()
 
 
 def _param_ids(optim_state: Any) -> Any:

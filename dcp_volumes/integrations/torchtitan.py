@@ -13,7 +13,9 @@ the bytes go and how the run root is read:
   ``async_with_pinned_mem`` where torch's pinned-memory stager runs the upload in a process
   that receives the writer pickled), loads through :class:`~dcp_volumes.VolumeReader`;
 - the newest complete step is :func:`dcp_volumes.catalog.latest` (one listing, on rank 0,
-  broadcast); a step directory without a committed ``.metadata`` is skipped;
+  broadcast); a step directory without a committed ``.metadata`` is skipped, and so is one
+  whose data does not verify when loaded (a WARNING names it; the next older one loads:
+  the Checkpointer's resume loop);
 - retention is :func:`dcp_volumes.catalog.apply_retention` (``.metadata`` removed first; only
   checkpoints that load count toward ``keep_latest_k``), run on rank 0 in torchtitan's own
   purge thread.
@@ -45,11 +47,12 @@ from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
 from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.utils import GarbageCollection
 
+import dcp_volumes
 from dcp_volumes import catalog, errors
 from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import redact_url
+from dcp_volumes.checkpointer import candidates, load_newest
 from dcp_volumes.config import SpoolOptions
-from dcp_volumes.reader import VolumeReader
 from dcp_volumes.writer import VolumeWriter
 
 __all__ = ["STEP_PATTERN", "VolumeCheckpointManager", "use_volumes"]
@@ -203,9 +206,9 @@ class VolumeCheckpointManager(CheckpointManager):
         if from_hf:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        reader = VolumeReader(checkpoint_id, storage_options=self.storage_options,
-                              verify=self.verify)
-        dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
+        # dcp.load, raising the typed error (a damaged checkpoint: IntegrityError)
+        dcp_volumes.load(state_dict, checkpoint_id, storage_options=self.storage_options,
+                         verify=self.verify)
         # torchtitan flattens the model's entries into the top level: hand them to the model
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
@@ -213,18 +216,29 @@ class VolumeCheckpointManager(CheckpointManager):
     @sl.log_trace_span("checkpoint_load")
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """Load ``step`` (``-1``: the newest complete step under the folder).
+        """Load ``step`` (``-1``: the newest complete step under the folder whose data
+        verifies; a damaged one is skipped with a WARNING naming it, as the Checkpointer's
+        resume does).
 
         With nothing complete under the folder, torchtitan's initial load runs
         (``initial_load_path``, Hugging Face assets) when one is configured; otherwise this is
         a fresh start. Unlike torchtitan's, this never probes the folder with fsspec first.
         """
-        load_step = self._find_load_step() if step == -1 else step
-        if load_step == -1:
-            if self.initial_load_path or self.initial_load_in_hf:
-                return bool(super()._load(step))
-            logger.info("No complete checkpoint under %s: a fresh start.", redact_url(self.folder))
-            return False
+        if step != -1:
+            return self._load_step(step)
+        found = (i for i in candidates(self.folder, storage_options=self.storage_options,
+                                       step_pattern=STEP_PATTERN,
+                                       process_group=self._list_group)
+                 if i.step is not None)
+        if load_newest(found, lambda info: self._load_step(int(info.step or 0))) is not None:
+            return True
+        if self.initial_load_path or self.initial_load_in_hf:
+            return bool(super()._load(step))
+        logger.info("No complete checkpoint under %s: a fresh start.", redact_url(self.folder))
+        return False
+
+    def _load_step(self, load_step: int) -> bool:
+        """Load checkpoint ``load_step`` of the folder."""
         checkpoint_id = self._create_checkpoint_id(load_step)
         logger.info("Loading the checkpoint from %s.", redact_url(checkpoint_id))
         begin = time.monotonic()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcp_volumes import catalog
+from dcp_volumes import Checkpointer, catalog
 from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
 
 pytestmark = pytest.mark.xdist_group("huggingface")
@@ -210,6 +210,51 @@ def _reference_then_killed(rank: int, world: int, roots: dict[str, str], acc_url
     return out
 
 
+def _guarded(rank: int, world: int, roots: dict[str, str], options: dict[str, Any], tmp: str
+             ) -> dict[str, Any]:
+    """Issue 25, finding 10, in one process: a missing bucket at construction, a resume of a
+    root that another live run holds, and a resume whose newest checkpoint has a flipped
+    byte (it resumes from the one before, saying so)."""
+    import logging
+
+    from transformers import TrainingArguments
+
+    from dcp_volumes.integrations.huggingface import VolumeTrainer
+
+    out: dict[str, Any] = {}
+    args = TrainingArguments(output_dir=f"{tmp}/guarded", use_cpu=True, report_to=[])
+    try:
+        VolumeTrainer(model=_model(), args=args, checkpoint_root="s3://no-such-bucket/run",
+                      storage_options=options)
+        out["bucket"] = "no error"
+    except Exception as exc:  # noqa: BLE001 -- what it is, is the result
+        out["bucket"] = (type(exc).__name__, str(exc))
+    try:
+        _train(roots["killed"], options, f"{tmp}/held", resume=True, batch=2 * BATCH)
+        out["held"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["held"] = (type(exc).__name__, str(exc))
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dcp_volumes").addHandler(handler)
+    out["flipped"] = _train(roots["ref"], options, f"{tmp}/flipped", resume=True,
+                            batch=2 * BATCH)
+    out["warnings"] = warnings
+    return out
+
+
+def _flip_a_byte(url: str, options: dict[str, Any]) -> None:
+    """Flip one byte of the checkpoint's first shard file, behind the writer's back."""
+    import fsspec
+
+    fs, path = fsspec.url_to_fs(url, skip_instance_cache=True, **options)
+    shard = min(p for p in fs.find(path) if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[5] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+
+
 def _resumed(rank: int, world: int, root: str, options: dict[str, Any], tmp: str,
              resume: str | bool, batch: int, async_save: bool) -> dict[str, Any]:
     return _train(root, options, f"{tmp}/resumed-{world}-{rank}", resume=resume, batch=batch,
@@ -239,7 +284,21 @@ def runs(seaweedfs: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
                                                step_pattern=PATTERN)
     one = run_ranks(1, _resumed, roots["one"], opts, tmp, f"{roots['ref']}/checkpoint-4",
                     2 * BATCH, False, timeout=240)
-    return {"first": first, "ref": first[0][1]["train"] if first.get(0, (0,))[0] else None,
+    # issue 25 finding 10: the newest reference checkpoint damaged; the killed run's root
+    # held by another live run (this process)
+    _flip_a_byte(f"{roots['ref']}/checkpoint-6", opts)
+    killed_before = catalog.list_checkpoints(roots["killed"], storage_options=opts,
+                                             step_pattern=PATTERN)
+    holder = Checkpointer(roots["killed"], storage_options=opts, run_id="another-run")
+    holder.claim()
+    try:
+        guarded = run_ranks(1, _guarded, roots, opts, tmp, timeout=240)
+        killed_after = catalog.list_checkpoints(roots["killed"], storage_options=opts,
+                                                step_pattern=PATTERN)
+    finally:
+        holder.close()
+    return {"guarded": guarded[0], "killed_before": killed_before,
+            "killed_after": killed_after,"first": first, "ref": first[0][1]["train"] if first.get(0, (0,))[0] else None,
             "ref_listing": ref_listing,
             "killed_listing": killed_listing, "resumed": resumed,
             "resumed_listing": resumed_listing, "one": one[0]}
@@ -304,3 +363,33 @@ def test_resume_on_fewer_processes(runs: dict[str, Any]) -> None:
     for key, value in ref["weights"].items():
         torch.testing.assert_close(torch.from_numpy(got["weights"][key]),
                                    torch.from_numpy(value), rtol=1e-4, atol=1e-5)
+
+
+def test_missing_bucket_fails_at_construction(runs: dict[str, Any]) -> None:
+    """Issue 25, finding 10: the Trainer named a missing bucket only at its first save."""
+    name, message = runs["guarded"]["bucket"]
+    assert name == "BucketNotFoundError" and "no-such-bucket" in message, message
+    assert "create it" in message
+
+
+def test_second_run_on_a_root_is_refused_before_it_loads(runs: dict[str, Any]) -> None:
+    """Issue 25, finding 10: two Trainer runs on one root resumed from and replaced each
+    other's checkpoints. A resume of a root another live run holds is refused, naming it,
+    and nothing under the root changes."""
+    name, message = runs["guarded"]["held"]
+    assert name == "RootInUseError" and "run 'another-run'" in message, message
+    before = [(i.name, i.complete, i.commit_time) for i in runs["killed_before"]]
+    assert [(i.name, i.complete, i.commit_time) for i in runs["killed_after"]] == before
+
+
+def test_damaged_newest_checkpoint_is_skipped_with_a_warning(runs: dict[str, Any]) -> None:
+    """Issue 25, finding 10: a flipped byte in the newest checkpoint stopped the resume with
+    an IntegrityError. The run resumes from the newest one that verifies (checkpoint-4),
+    says which it skipped and why, and trains on as the reference run did."""
+    got, ref = runs["guarded"]["flipped"], runs["ref"]
+    assert got["start"] == 4
+    skipped = [m for m in runs["guarded"]["warnings"] if "checkpoint-6" in m]
+    assert skipped and "damaged" in skipped[0] and "checksum" in skipped[0].lower(), skipped
+    assert all(got["losses"][s] == ref["losses"][s] for s in (1, 2, 3, 4))  # from the state
+    for step in (5, 6):
+        assert got["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-4)

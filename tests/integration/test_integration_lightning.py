@@ -48,14 +48,16 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _module() -> Any:
+def _module(cfg: Any = None) -> Any:
     import lightning.pytorch as pl
     import torch
     from torch.distributed.fsdp import fully_shard
 
     class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
+        def __init__(self, cfg: Any = None) -> None:
             super().__init__()
+            if cfg is not None:
+                self.save_hyperparameters()  # {"cfg": cfg}, pickled into the checkpoint
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(),
                                            torch.nn.Linear(32, 1))
@@ -95,7 +97,7 @@ def _module() -> Any:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    return Tiny()
+    return Tiny(cfg)
 
 
 def _plain(value: Any) -> Any:
@@ -189,6 +191,26 @@ def _checkpoint_io_round_trip(root: str, options: dict[str, Any]) -> dict[str, A
             "saved_weights": {k: v.tolist() for k, v in saved.items()}}
 
 
+def _hparams_round_trip(root: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Issue 25, finding 10: save_hyperparameters() holding a Namespace failed the resume
+    with a raw UnpicklingError, even with safe_globals=[Namespace] given to the strategy."""
+    from argparse import Namespace
+
+    from dcp_volumes.integrations.lightning import VolumeModelParallelStrategy
+
+    def fit(epochs: int, resume: bool, **kwargs: Any) -> dict[str, Any]:
+        strategy = VolumeModelParallelStrategy(root, storage_options=options,
+                                               data_parallel_size=1, tensor_parallel_size=1,
+                                               **kwargs)
+        trainer, _ = _trainer(1, epochs, True, strategy=strategy)
+        return _fit(trainer, _module(Namespace(width=WIDTH)),
+                    strategy.resume_path() if resume else None)
+
+    return {"first": fit(1, False, safe_globals=[Namespace]),
+            "not_allowed": fit(2, True),
+            "resumed": fit(2, True, safe_globals=[Namespace])}
+
+
 def _fabric_round_trip(rank: int, world: int, root: str, options: dict[str, Any]
                        ) -> dict[str, Any]:
     """Fabric: train 2 steps, save, load into a fresh model + optimizer, take one more step
@@ -245,10 +267,11 @@ def _killed_run(rank: int, world: int, root: str, options: dict[str, Any]) -> di
 
 
 def _one_rank_then_checkpoint_io(rank: int, world: int, root: str, io_root: str,
-                                 options: dict[str, Any]) -> dict[str, Any]:
+                                 hp_root: str, options: dict[str, Any]) -> dict[str, Any]:
     _quiet()
     return {"one_rank": _train(world, root, options, 3, True, save=False),
-            "io": _checkpoint_io_round_trip(io_root, options)}
+            "io": _checkpoint_io_round_trip(io_root, options),
+            "hparams": _hparams_round_trip(hp_root, options)}
 
 
 def _resumed_then_fabric(rank: int, world: int, root: str, fabric_root: str,
@@ -262,12 +285,14 @@ def _resumed_then_fabric(rank: int, world: int, root: str, fabric_root: str,
 @pytest.fixture(scope="module")
 def scenario(seaweedfs: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     os.environ["LIGHTNING_TEST_TMP"] = str(tmp_path_factory.mktemp("lightning"))
-    run, io, fab = seaweedfs.store(), seaweedfs.store(), seaweedfs.store()
+    run, io, fab, hp = (seaweedfs.store(), seaweedfs.store(), seaweedfs.store(),
+                        seaweedfs.store())
     opts = run.storage_options
     out: dict[str, Any] = {"root": run.root, "io_root": io.root}
     out["killed"] = run_ranks_with_victim(2, 1, _killed_run, run.root, opts, timeout=240)
     out["killed_listing"] = catalog.list_checkpoints(run.root, storage_options=opts)
-    out.update(run_ranks(1, _one_rank_then_checkpoint_io, run.root, io.root, opts)[0])
+    out.update(run_ranks(1, _one_rank_then_checkpoint_io, run.root, io.root, hp.root,
+                         opts)[0])
     out["io_listing"] = catalog.list_checkpoints(io.root, storage_options=opts)
     both = run_ranks(2, _resumed_then_fabric, run.root, fab.root, opts)
     out["resumed"] = [b["resumed"] for b in both]
@@ -343,3 +368,14 @@ def test_fabric_save_and_load_round_trip(scenario: dict[str, Any]) -> None:
         assert out["step"] == 2
         assert out["rest"] == {"note": "a"}  # metadata not asked for comes back
         assert out["next_loaded"] == out["next"]
+
+
+def test_hyperparameters_with_a_namespace_resume_with_safe_globals(
+        scenario: dict[str, Any]) -> None:
+    """Issue 25, finding 10: the strategy's safe_globals reach Lightning's metadata (the
+    hyperparameters); without them the error is typed and says what to pass."""
+    hp = scenario["hparams"]
+    assert hp["first"]["error"] is None and hp["first"]["global_step"] == BATCHES * 2
+    assert hp["not_allowed"]["error"] == "UnsafeCheckpointError"
+    assert hp["resumed"]["error"] is None
+    assert hp["resumed"]["start_step"] == BATCHES * 2 and hp["resumed"]["global_step"] == 16

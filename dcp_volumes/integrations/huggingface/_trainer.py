@@ -16,7 +16,10 @@ this subclass overrides the hooks the Trainer calls:
   on rank 0, broadcast) picks the newest *complete* checkpoint; its trainer state is written
   to a private temporary directory that the stock ``train`` reads, and the
   ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler`` / ``_load_scaler`` /
-  ``_load_rng_state`` hooks take their state from the store instead of files.
+  ``_load_rng_state`` hooks take their state from the store instead of files. When its
+  data does not verify (a damaged byte), the stock ``train`` stops before its first step;
+  it is started again from the next older complete checkpoint, with a WARNING naming the
+  one skipped (the Checkpointer's resume loop, :mod:`dcp_volumes.checkpointer`).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from typing import Any, Literal
 import torch.distributed as dist
 from transformers import Trainer
 
-from dcp_volumes import _api, catalog, errors
+from dcp_volumes import _api, errors
 from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import parse_url, redact_url
-from dcp_volumes.checkpointer import Checkpointer
+from dcp_volumes.checkpointer import Checkpointer, candidates, load_newest
 from dcp_volumes.integrations.huggingface._state import (
     OptionalKeysPlanner,
     apply_rng,
@@ -91,6 +94,10 @@ class VolumeTrainer(Trainer):
     Raises:
         ConfigError: ``load_best_model_at_end`` (it reads a local checkpoint directory),
             or a bad ``checkpoint_root``.
+        BucketNotFoundError: the bucket of ``checkpoint_root`` does not exist (checked here,
+            not at the first save).
+        RootInUseError: (from ``train``) another live run saves under ``checkpoint_root``;
+            a run resuming is refused before it loads anything.
     """
 
     def __init__(self, *args: Any, checkpoint_root: str | os.PathLike[str],
@@ -112,21 +119,13 @@ class VolumeTrainer(Trainer):
             "overwrite": True,
             **(checkpointer_options or {}),
         }
-        self._checkpointer: Checkpointer | None = None
-        self._group: dist.ProcessGroup | None = None
         self._resume: _Resume | None = None
-
-    # ---- the Checkpointer ------------------------------------------------------------------
-    @property
-    def checkpointer(self) -> Checkpointer:
-        """The :class:`~dcp_volumes.Checkpointer` of ``checkpoint_root`` (made on first use,
-        on every process at the same point: it creates process groups)."""
-        if self._checkpointer is None:
-            self._checkpointer = Checkpointer(
-                self.checkpoint_root, keep_last=self.args.save_total_limit,
-                step_format=STEP_FORMAT, step_pattern=STEP_PATTERN, **self._volume_options)
-            self._group = gloo_group()
-        return self._checkpointer
+        self._began = False
+        # made now, on every process (it creates process groups): a missing bucket fails here
+        self.checkpointer = Checkpointer(
+            self.checkpoint_root, keep_last=self.args.save_total_limit,
+            step_format=STEP_FORMAT, step_pattern=STEP_PATTERN, **self._volume_options)
+        self._group: dist.ProcessGroup | None = gloo_group()
 
     @property
     def _storage_options(self) -> dict[str, Any]:
@@ -181,28 +180,38 @@ class VolumeTrainer(Trainer):
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             out = super().train(None, trial, ignore_keys_for_eval, **kwargs)
         else:
-            url = self._resume_url(resume_from_checkpoint)
-            with tempfile.TemporaryDirectory(prefix="dcpv-hf-resume-") as local:
-                self._resume = self._load_small(url, local)
-                try:
-                    out = super().train(local, trial, ignore_keys_for_eval, **kwargs)
-                finally:
-                    self._resume = None
+            self.checkpointer.claim()  # a second run on the root is refused before it loads
+            out = self._train_resumed(resume_from_checkpoint, trial, ignore_keys_for_eval,
+                                      **kwargs)
         self.checkpointer.wait()  # the last background save has committed (or raised)
         return out
 
-    def _resume_url(self, resume: str | bool) -> str:
-        self.checkpointer  # noqa: B018 -- made now, on every process: its groups are collective
+    def _train_resumed(self, resume: str | bool, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``train`` from the checkpoint named, or from the newest one under the
+        root that verifies (the Checkpointer's resume loop)."""
         if isinstance(resume, str):
             parse_url(resume)
-            return resume
-        info = catalog.latest(self.checkpoint_root, storage_options=self._storage_options,
-                              step_pattern=STEP_PATTERN, process_group=self._group)
-        if info is None:
+            return self._train_from(resume, *args, **kwargs)
+        found = candidates(self.checkpoint_root, storage_options=self._storage_options,
+                           step_pattern=STEP_PATTERN, process_group=self._group)
+        loaded = load_newest(
+            found, lambda info: self._train_from(info.url, *args, **kwargs),
+            while_loading=lambda: not self._began)
+        if loaded is None:
             raise errors.CheckpointNotFoundError(
                 f"no complete checkpoint under {redact_url(self.checkpoint_root)} to resume "
                 "from: train without resume_from_checkpoint=True for a first run")
-        return info.url
+        return loaded[1]
+
+    def _train_from(self, url: str, *args: Any, **kwargs: Any) -> Any:
+        """The stock ``train``, resuming from checkpoint ``url``."""
+        self._began = False  # until the model and optimizer came from it
+        with tempfile.TemporaryDirectory(prefix="dcpv-hf-resume-") as local:
+            self._resume = self._load_small(url, local)
+            try:
+                return super().train(local, *args, **kwargs)
+            finally:
+                self._resume = None
 
     def _load_small(self, url: str, local: str) -> _Resume:
         """The trainer state (written to ``local`` for the stock ``train`` to read) and this
@@ -248,6 +257,7 @@ class VolumeTrainer(Trainer):
         load_model_optimizers([self.model_wrapped],
                               [self.optimizer] if "optimizer" in state else [],
                               {"0": state["model"]}, {"0": state.get("optimizer")})
+        self._began = True
         if "scheduler" in state and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state:
