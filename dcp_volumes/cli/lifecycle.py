@@ -1,8 +1,9 @@
-"""The lifecycle commands: ``ls``, ``latest``, ``info``, ``verify``, ``rm`` and ``gc``.
+"""The lifecycle commands that read: ``ls``, ``latest``, ``info``, ``verify`` (``rm`` and
+``gc``, which delete, are in :mod:`~dcp_volumes.cli.removal`).
 
 They take the storage flags (:func:`~dcp_volumes.cli._options.storage_options_parser`) and
-call :mod:`dcp_volumes.catalog`. Only ``info``, ``verify`` and ``gc`` import torch (they
-unpickle ``.metadata``); ``ls``, ``latest`` and ``rm`` start fast.
+call :mod:`dcp_volumes.catalog`. Only ``info`` and ``verify`` import torch (they unpickle
+``.metadata``); ``ls`` and ``latest`` start fast.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from dcp_volumes.cli import removal
 from dcp_volumes.cli._exit import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_OK, PROG
 from dcp_volumes.cli._format import (
     human_bytes,
@@ -24,7 +26,6 @@ from dcp_volumes.cli._format import (
 )
 from dcp_volumes.cli._options import (
     add_step_pattern,
-    age_s,
     count_or_zero,
     positive_count,
     storage_options_for,
@@ -33,15 +34,16 @@ from dcp_volumes.cli._options import (
 from dcp_volumes.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dcp_volumes.catalog import CheckpointDetails, CheckpointInfo, GcReport, VerifyReport
+    from dcp_volumes.catalog import CheckpointDetails, CheckpointInfo, VerifyReport
 
 __all__ = ["register"]
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add ``ls``, ``latest``, ``info``, ``verify``, ``rm`` and ``gc`` to ``sub``."""
-    for add in (_add_ls, _add_latest, _add_info, _add_verify, _add_rm, _add_gc):
+    for add in (_add_ls, _add_latest, _add_info, _add_verify):
         add(sub, common)
+    removal.register(sub, common)
 
 
 def _add_ls(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -371,125 +373,3 @@ def _print_verify(r: VerifyReport) -> None:
     bad = [f for f in r.files if not f.ok]
     verdict = "OK" if not bad else f"FAILED ({len(bad)} of {len(r.files)} files)"
     print(f"{verdict}: {r.url}: {r.note}; {human_bytes(r.bytes_read)} read")
-
-
-# --------------------------------------------------------------------------------------------
-# rm
-
-
-def _add_rm(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "rm",
-        parents=[common, storage_options_parser()],
-        help="remove one checkpoint (.metadata first)",
-        description=(
-            "Remove one checkpoint: .metadata first, so readers never see it partially\n"
-            "deleted, then its other objects. Refuses a URL holding sub-directories (a run\n"
-            "root) or no checkpoint files. Node-local tiers are not touched: local copies\n"
-            "of it stay until the tier's retention evicts them, and local-only saves that\n"
-            "continued it are never loaded again (docs/guarantees.md, lineage rule)."
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("url", metavar="URL", help="checkpoint URL")
-    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(handler=_run_rm)
-
-
-def _run_rm(args: argparse.Namespace) -> int:
-    from dcp_volumes.catalog import remove
-
-    removed = remove(
-        args.url, storage_options=storage_options_for(args, args.url), dry_run=args.dry_run
-    )
-    if args.json:
-        print_json({"url": redact(args.url), "dry_run": args.dry_run, "objects": removed})
-    else:
-        verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb} {redact(args.url)} ({len(removed)} objects)")
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------------------------
-# gc
-
-
-def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "gc",
-        parents=[common, storage_options_parser()],
-        help="collect stale incomplete checkpoints, leftover shards and multipart uploads",
-        description=(
-            "Find what failed or superseded saves left under a run root, older than\n"
-            "--older-than: incomplete checkpoints (no .metadata), shards and manifests of\n"
-            "saves that never committed inside complete checkpoints, and stale S3 multipart\n"
-            "uploads. A dry run unless --yes. Only the store: node-local tiers keep their\n"
-            "own retention (LocalTierOptions keep_last / max_bytes)."
-        ),
-        epilog="examples:\n  dcp-volumes gc s3://bucket/run-42/\n"
-        "  dcp-volumes gc s3://bucket/run-42/ --older-than 6h --yes",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("root", metavar="ROOT", help="run root")
-    p.add_argument(
-        "--older-than",
-        type=age_s,
-        default=3600.0,
-        metavar="AGE",
-        help="only collect saves whose newest object is older than this (units s, m, h, d; "
-        "default 1h). A save whose live record is fresh (rewritten every 30 s while it "
-        "uploads) is never collected, whatever this says",
-    )
-    p.add_argument("--yes", action="store_true", help="delete (default: report only)")
-    add_step_pattern(p)
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(handler=_run_gc)
-
-
-def _run_gc(args: argparse.Namespace) -> int:
-    from dcp_volumes.catalog import gc
-
-    with progress_bar("gc", enabled=not args.json and args.yes, unit="objects") as progress:
-        report = gc(
-            args.root,
-            older_than_s=args.older_than,
-            storage_options=storage_options_for(args, args.root),
-            step_pattern=args.step_pattern,
-            dry_run=not args.yes,
-            progress=progress,
-        )
-    if args.json:
-        print_json(report.as_dict())
-    else:
-        _print_gc(report)
-    return EXIT_OK
-
-
-def _print_gc(r: GcReport) -> None:
-    from dcp_volumes.goodput import format_duration
-
-    verb = "would remove" if r.dry_run else "removed"
-    print(f"gc of {r.root} (older than {format_duration(r.older_than_s)})")
-    for url in r.incomplete:
-        print(f"  {verb} incomplete checkpoint {url}")
-    for url in r.leftovers:
-        print(f"  {verb} leftover {url}")
-    for up in r.uploads:
-        print(
-            f"  {'would abort' if r.dry_run else 'aborted'} multipart upload {up['key']} "
-            f"(started {when(up['initiated'])} UTC)"
-        )
-    for line in r.skipped:
-        print(f"  kept {line}")
-    if r.empty:
-        print("nothing to collect")
-        return
-    print(
-        f"{verb}: {plural(len(r.incomplete), 'incomplete checkpoint')}, "
-        f"{plural(len(r.leftovers), 'leftover object')} ({human_bytes(r.bytes)}), "
-        f"{plural(len(r.uploads), 'multipart upload')}"
-    )
-    if r.dry_run:
-        print("dry run: nothing was deleted; run again with --yes to delete")
-

@@ -163,12 +163,72 @@ def test_rm(run: Run) -> None:
     out = run("rm", f"{run.root}/step-1", "--dry-run")
     assert out.returncode == 0 and out.stdout.startswith("would remove")
     assert run("latest", run.root).stdout.strip().endswith("step-2")
-    doc = json.loads(run("rm", f"{run.root}/step-2", "--json").stdout)
-    assert doc["objects"][0].endswith("step-2/.metadata")
+    doc = json.loads(run("rm", f"{run.root}/step-2", "--yes", "--json").stdout)
+    assert doc["objects"][0].endswith("step-2/.metadata") and doc["dry_run"] is False
     assert run("latest", run.root).stdout.strip().endswith("step-1")
-    assert run("rm", f"{run.root}/step-2").returncode == 3
-    refused = run("rm", run.root)
+    assert run("rm", f"{run.root}/step-2", "--yes").returncode == 3
+    refused = run("rm", run.root, "--yes")
     assert refused.returncode == 2 and "run root" in refused.stderr
+
+
+def test_rm_and_gc_confirm_deletion_the_same_way(run: Run) -> None:
+    """Issue 26: ``rm`` deleted at once and rejected --yes, ``gc`` needed --yes. Now both
+    delete only with --yes (or a y at a terminal's prompt); without it, a dry run."""
+    step1 = f"{run.root}/step-1"
+    for cmd in (["rm", step1], ["gc", run.root, "--older-than", "0s"]):
+        dry = run(*cmd)  # no terminal here: nothing deleted, the report says how to delete
+        assert dry.returncode == 0, dry.stderr
+        assert "would remove" in dry.stdout and "run again with --yes" in dry.stdout
+        assert json.loads(run(*cmd, "--json").stdout)["dry_run"] is True
+        both = run(*cmd, "--yes", "--dry-run")
+        assert both.returncode == 2 and "not allowed with argument" in both.stderr
+    assert run("latest", run.root).stdout.strip().endswith("step-2")
+    listing = run("ls", run.root).stdout
+    assert "step-1" in listing and "step-3" in listing
+    removed = run("rm", step1, "--yes")
+    assert removed.returncode == 0 and removed.stdout.startswith("removed")
+    assert "step-1" not in run("ls", run.root).stdout
+    for cmd in (["rm", "--help"], ["gc", "--help"]):
+        assert "Deletes only with --yes" in run(*cmd).stdout
+
+
+def _on_terminal(run: Run, answer: str, *args: str) -> tuple[int, str, str]:
+    """The CLI with stdin and stderr on a pseudo-terminal that types ``answer``: (exit code,
+    stdout, what the terminal showed)."""
+    import os
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    try:
+        os.write(master, answer.encode() + b"\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT")}
+        proc = subprocess.run([sys.executable, "-m", "dcp_volumes.cli", *args], stdin=slave,
+                              stderr=slave, stdout=subprocess.PIPE, text=True, timeout=120,
+                              cwd=REPO, env={**env, **run.env}, check=False)
+        shown = b""
+        while select.select([master], [], [], 0.2)[0]:
+            shown += os.read(master, 65536)
+    finally:
+        os.close(slave)
+        os.close(master)
+    return proc.returncode, proc.stdout, shown.decode("utf-8", "replace")
+
+
+def test_rm_and_gc_ask_on_a_terminal(run: Run) -> None:
+    step1 = f"{run.root}/step-1"
+    for cmd in (["rm", step1], ["gc", run.root, "--older-than", "0s"]):
+        code, out, shown = _on_terminal(run, "n", *cmd)
+        assert code == 0 and "[y/N]" in shown and "run again with --yes" in out, (out, shown)
+    assert "step-1" in run("ls", run.root).stdout and "step-3" in run("ls", run.root).stdout
+    code, out, shown = _on_terminal(run, "y", "rm", step1)
+    assert code == 0 and "[y/N]" in shown and "removed" in out, (out, shown)
+    code, out, shown = _on_terminal(run, "y", "gc", run.root, "--older-than", "0s")
+    assert code == 0 and "removed incomplete checkpoint" in out, (out, shown)
+    listing = run("ls", run.root).stdout
+    assert "step-1" not in listing and "step-3" not in listing and "step-2" in listing
+    code, out, shown = _on_terminal(run, "y", "rm", f"{run.root}/step-2", "--dry-run")
+    assert "[y/N]" not in shown and "step-2" in run("ls", run.root).stdout
 
 
 def test_gc_is_a_dry_run_unless_yes(run: Run) -> None:

@@ -62,7 +62,7 @@ def test_a_stale_local_only_save_never_outranks_a_new_runs_durable_save(
 def test_removed_with_the_cli_the_base_is_gone(tmp_path: Path) -> None:
     _run_one(tmp_path)
     url = str(tmp_path / "run" / "step-00000100")
-    assert run_cli("rm", url).returncode == 0
+    assert run_cli("rm", url, "--yes").returncode == 0
     assert catalog.latest(str(tmp_path / "run")) is None
     assert _resume(tmp_path) == (None, -1.0)  # nothing durable, and step 150 continues none
 
