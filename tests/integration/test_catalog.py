@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_volumes import VolumeReader, VolumeWriter, catalog, errors
 from dcp_volumes._compat import no_dist
 from dcp_volumes.backends import Backend
+from dcp_volumes.backends.s3 import S3Backend
 from dcp_volumes.catalog import _listing
 from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.testing.servers import LocalServer, start_server
@@ -249,13 +250,17 @@ def test_retention_on_object_store_deletes_metadata_first(store: Store, monkeypa
     for step in (1, 2, 3):
         store.save(f"step-{step}")
     calls: list[list[str]] = []
-    original = Backend.remove
 
-    async def spy(self: Backend, relatives: list[str]) -> None:
-        calls.append(list(relatives))
-        await original(self, relatives)
+    def spying(original: Any) -> Any:
+        async def spy(self: Backend, relatives: list[str]) -> None:
+            calls.append(list(relatives))
+            await original(self, relatives)
 
-    monkeypatch.setattr(Backend, "remove", spy)
+        return spy
+
+    # every backend's remove (S3 has its own: batched DeleteObjects)
+    for cls in (Backend, S3Backend):
+        monkeypatch.setattr(cls, "remove", spying(cls.__dict__["remove"]))
     assert catalog.apply_retention(
         store.root, keep_last=2, storage_options=store.options, dry_run=True
     ) == [store.url("step-1")]
