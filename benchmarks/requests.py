@@ -8,9 +8,12 @@ machine), one ``dcp.save`` through ``VolumeWriter`` and one ``dcp.load`` through
 ``VolumeReader`` of the same state (``--mib`` MiB sharded over the ranks as a DTensor, plus
 small replicated tensors), sorted by kind (:mod:`dcp_volumes.testing.requests`).
 
-Simulated rows (``"simulated": true``) are **not measured**: each kind's count at 64-4,096
-ranks is the least-squares line ``a + b·N`` through the measured counts at the real rank
-counts (the fit's largest residual is printed: 0 means the counts are exactly linear in N).
+The kind columns count the **control plane** (every request but the GETs and writes of
+shard bytes); ``data`` counts the rest, which follow the bytes rather than the ranks.
+Simulated rows (``"simulated": true``) are **not measured**: each control-plane kind's count
+at 64-4,096 ranks is the least-squares line ``a + b·N`` through the measured counts at the
+real rank counts (the fit and its largest residual are in the JSON: 0 means the counts are
+exactly linear in N).
 The planning rows time torch's own part of the plan phase at those sizes, in one process:
 pickling N synthetic local save plans (``--tensors`` DTensor shards each, what
 ``gather_object`` sends to the coordinator), unpickling them, and
@@ -96,7 +99,10 @@ def _control_bytes(counted: Count, sizes: dict[str, int]) -> int:
 def _row(op: str, world: int, counted: Count, data_bytes: int, sizes: dict[str, int]
          ) -> dict[str, Any]:
     gib = data_bytes / (1 << 30)
-    return {"op": op, "ranks": world, "simulated": False, **counted.as_dict(),
+    control = counted.control_by_kind()
+    return {"op": op, "ranks": world, "simulated": False, **{k: control[k] for k in KINDS},
+            "control": counted.control, "data": counted.total - counted.control,
+            "total": counted.total, "all_by_kind": counted.as_dict(),
             "control_per_rank": round(counted.control / world, 3),
             "requests_per_gib": round(counted.total / gib, 1) if gib else None,
             "control_bytes": _control_bytes(counted, sizes), "data_bytes": data_bytes,
@@ -140,7 +146,8 @@ def project(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         n = np.array([r["ranks"] for r in real], dtype=float)
         for world in SIMULATED:
             row: dict[str, Any] = {"op": op, "ranks": world, "simulated": True}
-            for key in (*KINDS, "total", "control", "control_bytes"):
+            row["data"] = None  # data requests follow the bytes, not the ranks: see per GiB
+            for key in (*KINDS, "control", "control_bytes"):
                 y = np.array([r[key] for r in real], dtype=float)
                 b, a = np.polyfit(n, y, 1) if len(set(n)) > 1 else (0.0, y.mean())
                 row[key] = round(float(a + b * world), 1)
@@ -179,15 +186,21 @@ def planning_row(world: int, tensors: int) -> dict[str, Any]:
             "global_plan_s": round(done - pickled, 3), "plan_s": round(done - start, 3)}
 
 
+def _dash(value: Any) -> str:
+    return "—" if value is None else str(value)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ["op", "ranks", *KINDS, "total", "control", "control/rank", "control bytes"]
+    head = ["op", "ranks", *KINDS, "control", "control/rank", "control bytes", "data",
+            "requests/GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["op"] == "plan":
             continue
         ranks = f"{r['ranks']}{' (sim.)' if r['simulated'] else ''}"
-        cells = [r["op"], ranks, *(r[k] for k in KINDS), r["total"], r["control"],
-                 r["control_per_rank"], r["control_bytes"]]
+        cells = [r["op"], ranks, *(r[k] for k in KINDS), r["control"],
+                 r["control_per_rank"], r["control_bytes"], _dash(r.get("data")),
+                 _dash(r.get("requests_per_gib"))]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     plan = [r for r in rows if r["op"] == "plan"]
     if plan:

@@ -78,8 +78,12 @@ class Count:
     @property
     def control(self) -> int:
         """Every request but the reads and writes of shard bytes."""
-        return sum(n for (kind, obj), n in self.by_object.items()
-                   if not (obj == "shard" and kind in _DATA_KINDS))
+        return sum(self.control_by_kind().values())
+
+    def control_by_kind(self) -> Counter[str]:
+        """The control-plane requests by kind."""
+        return Counter({kind: n for (kind, obj), n in self.by_object.items()
+                        if not (obj == "shard" and kind in _DATA_KINDS)})
 
     def of(self, kind: str, obj: str) -> int:
         return self.by_object[(kind, obj)]
