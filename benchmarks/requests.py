@@ -4,8 +4,8 @@
 A moto server behind a :class:`~dcp_volumes.testing.faultproxy.FaultProxy` that logs every
 request it forwards (:meth:`~dcp_volumes.testing.faultproxy.FaultProxy.record_requests`):
 counted at the store, not inside the client. For each rank count (gloo ranks on this
-machine), one ``dcp.save`` through ``VolumeWriter`` and one ``dcp.load`` through
-``VolumeReader`` of the same state (``--mib`` MiB sharded over the ranks as a DTensor, plus
+machine), two ``dcp.save`` through ``VolumeWriter`` in the same processes (``save``: a job's first;
+``save again``: any later one) and one ``dcp.load`` through ``VolumeReader`` of the same state (``--mib`` MiB sharded over the ranks as a DTensor, plus
 small replicated tensors), sorted by kind (:mod:`dcp_volumes.testing.requests`).
 
 The kind columns count the **control plane** (every request but the GETs and writes of
@@ -75,9 +75,28 @@ def _state(world: int, mib: int, zeros: bool) -> dict[str, Any]:
                   for i in range(4)}}
 
 
+#: the object rank 0 asks for between a process's two saves: where the log is split
+MARKER = "--second-save-starts--"
+
+
 def _save(rank: int, world: int, url: str, options: dict[str, Any], mib: int) -> None:
-    dcp.save(_state(world, mib, False), storage_writer=VolumeWriter(url, storage_options=options))
+    """Two saves in the same processes (a training job's first and a later one), with a
+    marker request between them."""
+    state = _state(world, mib, False)
+    dcp.save(state, storage_writer=VolumeWriter(url, storage_options=options))
     dist.barrier()
+    if rank == 0:
+        fs, path = fsspec.url_to_fs(f"{url}-{MARKER}", **options)
+        fs.exists(path)
+    dist.barrier()
+    dcp.save(state, storage_writer=VolumeWriter(f"{url}-again", storage_options=options))
+    dist.barrier()
+
+
+def _split(requests: list[tuple[str, str]]) -> tuple[list[tuple[str, str]],
+                                                      list[tuple[str, str]]]:
+    at = next(i for i, (_, target) in enumerate(requests) if MARKER in target)
+    return requests[:at], requests[at + 1:]
 
 
 def _load(rank: int, world: int, url: str, options: dict[str, Any], mib: int) -> bool:
@@ -129,20 +148,25 @@ def measure(world: int, proxy: FaultProxy, root: str, bucket: str, options: dict
     url = f"{root}/requests-{world}-{uuid.uuid4().hex[:8]}"
     proxy.record_requests()
     run_ranks(world, _save, url, options, mib, timeout=900)
-    saved = count(proxy.recorded_requests(), bucket)
+    first, again = _split(proxy.recorded_requests())
+    saved, saved_again = count(first, bucket), count(again, bucket)
     proxy.record_requests()
     if not all(run_ranks(world, _load, url, options, mib, timeout=900)):
         raise AssertionError("a rank loaded different values")
     loaded = count(proxy.recorded_requests(), bucket)
     sizes, data = _sizes(url, options)
-    return [_row("save", world, saved, data, sizes), _row("load", world, loaded, data, sizes)]
+    return [_row("save", world, saved, data, sizes), _row("save again", world, saved_again,
+                                                          data, sizes),
+            _row("load", world, loaded, data, sizes)]
 
 
 def project(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Simulated rows: each kind's least-squares line a + b·N through the measured rows."""
     out = []
-    for op in ("save", "load"):
+    for op in ("save", "save again", "load"):
         real = [r for r in rows if r["op"] == op and not r["simulated"]]
+        if not real:
+            continue
         n = np.array([r["ranks"] for r in real], dtype=float)
         for world in SIMULATED:
             row: dict[str, Any] = {"op": op, "ranks": world, "simulated": True}
@@ -156,6 +180,26 @@ def project(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["control_per_rank"] = round(row["control"] / world, 4)
             out.append(row)
     return out
+
+
+def recount(row: dict[str, Any]) -> dict[str, Any]:
+    """A measured row again from its ``by_object`` counts (``--from``)."""
+    counted = Count()
+    for key, n in row["by_object"].items():
+        kind, obj = key.split(" ", 1)
+        counted.by_kind[kind] += n
+        counted.by_object[(kind, obj)] += n
+    out = _row(row["op"], row["ranks"], counted, row["data_bytes"], {})
+    out["control_bytes"] = row["control_bytes"]
+    return out
+
+
+def from_jsonl(path: str) -> list[dict[str, Any]]:
+    """The rows of an earlier run: measured ones recounted, projected again."""
+    with open(path) as f:
+        old = [json.loads(line) for line in f if line.strip()]
+    rows = [recount(r) for r in old if r["op"] != "plan" and not r["simulated"]]
+    return rows + project(rows) + [r for r in old if r["op"] == "plan"]
 
 
 def _synthetic_plans(world: int, tensors: int) -> list[SavePlan]:
@@ -225,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-ranks", type=int, nargs="*", default=list(SIMULATED))
     ap.add_argument("--tensors", type=int, default=8, help="shards per synthetic rank plan")
     ap.add_argument("--out", default=None, help="append JSON lines here too")
+    ap.add_argument("--from", dest="source", default=None,
+                    help="no run: the table again from this JSON-lines file")
     args = ap.parse_args(argv)
+    if args.source:
+        print(markdown(from_jsonl(args.source)))
+        return 0
     server = start_server("moto")
     proxy = FaultProxy(server)
     proxy.start()

@@ -82,8 +82,11 @@ class Count:
 
     def control_by_kind(self) -> Counter[str]:
         """The control-plane requests by kind."""
-        return Counter({kind: n for (kind, obj), n in self.by_object.items()
-                        if not (obj == "shard" and kind in _DATA_KINDS)})
+        out: Counter[str] = Counter()
+        for (kind, obj), n in self.by_object.items():
+            if not (obj == "shard" and kind in _DATA_KINDS):
+                out[kind] += n
+        return out
 
     def of(self, kind: str, obj: str) -> int:
         return self.by_object[(kind, obj)]
