@@ -34,19 +34,25 @@ async def round_trip_s(ping: Callable[[], Awaitable[Any]], key: Hashable,
                        samples: int = 3) -> float | None:
     """The fastest of ``samples`` calls of ``ping`` in seconds, or the measurement for
     ``key`` made less than :data:`ROUND_TRIP_TTL_S` ago; ``None`` when a ping fails (a
-    probe never fails a save, and a failed one is not remembered)."""
+    probe never fails a save). The fastest ping answered is remembered, even when a later
+    one fails or the probe is cancelled."""
     with _LOCK:
         cached = _MEASURED.get(key)
     if cached is not None and time.monotonic() - cached[1] < ROUND_TRIP_TTL_S:
         return cached[0]
     best = float("inf")
-    for _ in range(samples):
-        started = time.monotonic()
-        try:
-            await ping()
-        except Exception:  # noqa: BLE001 — only a hint; the save's own requests report errors
-            return None
-        best = min(best, time.monotonic() - started)
-    with _LOCK:
-        _MEASURED[key] = (best, time.monotonic())
+    try:
+        for _ in range(samples):
+            started = time.monotonic()
+            try:
+                await ping()
+            except Exception:  # noqa: BLE001 — a hint only; the save's requests report errors
+                return None
+            best = min(best, time.monotonic() - started)
+    finally:
+        # also when the probe is cancelled (an upload that ended first): what it measured
+        # stands, so the next save does not probe again
+        if best < float("inf"):
+            with _LOCK:
+                _MEASURED[key] = (best, time.monotonic())
     return best
