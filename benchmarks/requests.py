@@ -96,7 +96,7 @@ def _save(rank: int, world: int, url: str, options: dict[str, Any], mib: int) ->
 def _split(requests: list[tuple[str, str]]) -> tuple[list[tuple[str, str]],
                                                       list[tuple[str, str]]]:
     at = next(i for i, (_, target) in enumerate(requests) if MARKER in target)
-    return requests[:at], requests[at + 1:]
+    return requests[:at], [r for r in requests[at:] if MARKER not in r[1]]
 
 
 def _load(rank: int, world: int, url: str, options: dict[str, Any], mib: int) -> bool:
