@@ -118,7 +118,7 @@ def item_dtype(metadata: Any, fqn: str, chunk_offset: Any, entry: ItemEntry | No
     ``.metadata`` the dtype of every tensor and the shape of every chunk. A lie in either one
     would have the checked bytes read as another dtype (``verified`` and wrong), so they must
     agree before a byte is reinterpreted; an item stored whole is compared with the dtype
-    ``torch.save`` recorded in it once it is unpickled (``readplan``).
+    ``torch.save`` recorded in it once it is unpickled (``loading.apply``).
 
     Raises:
         IntegrityError: the two disagree on the item's dtype or shape.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BucketNotFoundError",
+    "CheckpointChangedError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ConfigError",
@@ -51,6 +52,11 @@ class IncompleteCheckpointError(DCPVolumesError):
 
 class IntegrityError(DCPVolumesError):
     """Stored bytes do not match the checksum or size recorded at save time."""
+
+
+class CheckpointChangedError(IntegrityError):
+    """An object changed between the read of its header and the read of its data (a file
+    replaced while it was loaded): its version is not the one the load was planned from."""
 
 
 class UploadError(DCPVolumesError, OSError):

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -20,21 +20,38 @@ from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest
 from dcp_volumes._shared_commit import read_commit
 from dcp_volumes.backends import CallStats, redact_url
+from dcp_volumes.backends.versions import ObjectVersion
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
+from dcp_volumes.loading import cooperative
+from dcp_volumes.loading.apply import PlannerTarget
+from dcp_volumes.loading.direct import TierRead, read_store, read_tier
+from dcp_volumes.loading.needs import Need, plan_needs
+from dcp_volumes.loading.sources import LocalTierSource, StoreSource
 from dcp_volumes.stats import LoadStats
-from dcp_volumes.transfer import cooperative, transforms
-from dcp_volumes.transfer.readplan import (
-    Need,
-    apply_need,
-    direct_target,
-    plan_needs,
-    plan_ranges,
-)
-from dcp_volumes.transfer.serve import check_store, serve_store
+from dcp_volumes.transfer import transforms
 
-__all__ = ["VolumeReader"]
+__all__ = ["Opened", "VolumeReader"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """What a load is planned from (:meth:`VolumeReader.open_checkpoint`).
+
+    Attributes:
+        metadata: DCP's ``Metadata`` (its ``storage_data`` says where each item is stored).
+        manifest: sizes and checksums of the stored items (None: torch's own format,
+            nothing to check against).
+        verified: whether the bytes are checked against checksums (``LoadStats.verified``).
+        pins: the versions of the objects the metadata was built from, by relative path:
+            every read of them is conditional on it (a format without checksums), or None.
+    """
+
+    metadata: Metadata
+    manifest: Manifest | None
+    verified: bool
+    pins: Mapping[str, ObjectVersion] | None = None
 
 
 class VolumeReader(Location, StorageReader):
@@ -118,13 +135,7 @@ class VolumeReader(Location, StorageReader):
             raise errors.ConfigError(
                 f"cooperative= must be True, False or 'auto', got {cooperative!r}")
         self.cooperative: bool | Literal["auto"] = cooperative
-        if (isinstance(cooperative_timeout_s, bool)
-                or not isinstance(cooperative_timeout_s, (int, float))
-                or not math.isfinite(cooperative_timeout_s) or cooperative_timeout_s <= 0):
-            raise errors.ConfigError(
-                f"cooperative_timeout_s= must be a number of seconds > 0, got "
-                f"{cooperative_timeout_s!r}")
-        self.cooperative_timeout_s = float(cooperative_timeout_s)
+        self.cooperative_timeout_s = _seconds(cooperative_timeout_s)
         if local_tier is not None and not isinstance(local_tier, LocalTierOptions):
             raise errors.ConfigError(
                 f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
@@ -138,6 +149,8 @@ class VolumeReader(Location, StorageReader):
         self._storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
         self._manifest: Manifest | None = None
+        self._verified = False  # whether the load checks stored bytes against checksums
+        self._pins: Mapping[str, ObjectVersion] | None = None
         self._rank = 0
         self.last_stats: LoadStats | None = None
         #: the typed error of the last failed read_metadata/read_data on this rank
@@ -176,36 +189,41 @@ class VolumeReader(Location, StorageReader):
                 "global .metadata)"
             )
         self.last_error = None
+        try:
+            opened = self.open_checkpoint()
+        except errors.DCPVolumesError as exc:
+            # dcp.load folds this into an AssertionError message; keep the typed error for
+            # dcp_volumes.load (and anyone holding the reader) to raise.
+            self.last_error = exc
+            raise
+        self._manifest, self._verified, self._pins = opened.manifest, opened.verified, opened.pins
+        metadata = opened.metadata
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = _layout.new_save_id()
+        return metadata
+
+    def open_checkpoint(self) -> Opened:
+        """What this load is planned from (``read_metadata``'s work): the committed
+        ``.metadata`` and manifest from the store, or a local-only save's commit bytes.
+        A reader of another format overrides this (:class:`~dcp_volumes.export.
+        SafetensorsReader` builds them from the files' headers)."""
         if self._local_commit is not None:
-            try:
-                metadata, self._manifest = tier.parse_commit(self._local_commit, self._url)
-            except errors.DCPVolumesError as exc:
-                self.last_error = exc
-                raise
-            metadata.storage_meta.load_id = _layout.new_save_id()  # type: ignore[union-attr]
-            return metadata
+            metadata, manifest = tier.parse_commit(self._local_commit, self._url)
+            return Opened(metadata, manifest, verified=True)
         stats = CallStats()
         try:
             # one read per job inside dcp.load over every rank (rank 0's, shared)
             committed = read_commit(self._backend(), with_manifest=self.verify, stats=stats,
                                     share=self.cooperative is not False,
                                     timeout_s=self.cooperative_timeout_s)
-        except errors.DCPVolumesError as exc:
-            # dcp.load folds this into an AssertionError message; keep the typed error for
-            # dcp_volumes.load (and anyone holding the reader) to raise.
-            self.last_error = exc
-            raise
         finally:
             self._metadata_retries = stats.retries
-        metadata = committed.metadata
-        self._manifest = committed.manifest
         if self.verify and not committed.ours:
             logger.debug("%s was not written by VolumeWriter (no manifest): checksums are "
                          "not verified", redact_url(self._url))
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = _layout.new_save_id()
-        return metadata
+        return Opened(committed.metadata, committed.manifest,
+                      verified=committed.manifest is not None)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -267,30 +285,36 @@ class VolumeReader(Location, StorageReader):
             raise
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """This rank's needs: from its local tier first, then from the peers (cooperative:
+        the bytes several ranks need) or the store."""
         url = redact_url(self._url)
         start = time.monotonic()
-        if isinstance(plan.storage_data, cooperative.Assignment):
-            done = self._read_cooperative(plan, planner, plan.storage_data, url, start)
-            if isinstance(done, Future):
-                return done
-            # every rank agreed to read directly (the plan changed after it was made)
-            needs, local, remote = done
+        target = PlannerTarget(planner, self.safe_globals)
+        coop = plan.storage_data if isinstance(plan.storage_data, cooperative.Assignment) \
+            else None
+        if coop is None:
+            tiered = self._read_tier(plan, target, url, cooperative=False)
+            figures = None
         else:
-            needs, local, remote = self._read_tier(plan, planner, url)
-        if self._local_commit is not None and (remote or local.fallback):
-            missing = (remote + local.fallback)[0]
-            raise errors.IntegrityError(
-                f"rank {self._rank}: shard {missing.relative} of the local-only save of {url} "
-                "has no usable local copy on this node (and no rank serves it), and the store "
-                "has none: load the newest durable checkpoint instead")
-        stats = CallStats()
-        fetched, nranges = self._fetch_direct(remote + local.fallback, planner, url, stats)
+            tiered, figures = self._read_cooperative(plan, planner, coop, target, url)
+        store_needs = tiered.fallback if figures is not None else \
+            tiered.fallback + tiered.elsewhere
+        self._only_local(store_needs, url)
+        store = self._store(url) if store_needs else None
+        nranges = read_store(store_needs, store, target, gap=self.transfer.coalesce_gap,
+                             max_size=self.transfer.max_range_size, url=url) if store else 0
+        fig = figures or cooperative.ExchangeFigures()
         return self._done(LoadStats(
-            rank=self._rank, bytes_needed=sum(n.needed for n in needs), bytes_fetched=fetched,
-            items=len(needs), ranges=nranges, fetch_s=time.monotonic() - start,
-            verified=self._verified,
-            retries=stats.retries + self._metadata_retries,
-            bytes_from_local=local.bytes_used, local_fallbacks=self._fallbacks(needs, local),
+            rank=self._rank, bytes_needed=sum(n.needed for n in tiered.needs),
+            bytes_fetched=fig.bytes_fetched + (store.fetched if store else 0),
+            items=len(tiered.needs), ranges=fig.ranges + nranges,
+            fetch_s=time.monotonic() - start, verified=self._verified,
+            retries=(fig.calls.retries + (store.stats.retries if store else 0)
+                     + self._metadata_retries),
+            cooperative=figures is not None, bytes_from_peers=fig.bytes_from_peers,
+            bytes_to_peers=fig.bytes_to_peers, rounds=fig.rounds, peer_wait_s=fig.wait_s,
+            bytes_from_local=tiered.bytes_used + fig.bytes_from_local,
+            local_fallbacks=self._fallbacks(tiered) + fig.local_fallbacks,
         ), url)
 
     @property
@@ -300,104 +324,59 @@ class VolumeReader(Location, StorageReader):
             return None
         return {name: entry.size for name, entry in self._manifest.files.items()}
 
-    @property
-    def _verified(self) -> bool:
-        """Whether this load checks stored bytes against checksums (a manifest)."""
-        return self._manifest is not None
+    def _store(self, url: str) -> StoreSource:
+        return StoreSource(self._backend(), url, max_concurrency=self.transfer.max_concurrency,
+                           chunk_size=self.transfer.part_size, stats=CallStats(),
+                           pins=self._pins, sizes=self._sizes)
 
-    def _read_tier(self, plan: LoadPlan, planner: LoadPlanner, url: str
-                   ) -> tuple[list[Need], tier.LocalRead, list[Need]]:
-        """This rank's needs, applied from the local tier first: (all needs, what the tier
-        did, the needs it does not hold). What fails there (and only that) goes to the store
-        after."""
+    def _read_tier(self, plan: LoadPlan, target: PlannerTarget, url: str, *,
+                   cooperative: bool) -> _Tiered:
+        """This rank's needs, applied from the local tier first. What the store must serve
+        after (and, without ``cooperative``, what the tier does not hold) is checked here
+        against a local-only save, which has no store copy."""
         needs = plan_needs(plan.items, self._storage_data, self._manifest, url,
                            self._metadata, self.extension_registry)
-        local = self._read_local(needs, planner, url)
-        return needs, local, _from_store(needs, frozenset(self._local))
+        for relative in sorted({n.relative for n in needs} & set(self._local_rejected)):
+            logger.warning("local copy of shard %s of %s is not used: %s; reading it from "
+                           "the store", relative, url, self._local_rejected[relative])
+        read = read_tier(needs, LocalTierSource(self._local, url), target,
+                         gap=self.transfer.coalesce_gap, max_size=self.transfer.max_range_size,
+                         url=url)
+        tiered = _Tiered(read.bytes_used, read.fallback, read.elsewhere, needs)
+        self._only_local(tiered.fallback + ([] if cooperative else tiered.elsewhere), url)
+        return tiered
+
+    def _only_local(self, to_store: list[Need], url: str) -> None:
+        """A local-only save has no store copy: a need left to the store fails the load."""
+        if self._local_commit is not None and to_store:
+            raise errors.IntegrityError(
+                f"rank {self._rank}: shard {to_store[0].relative} of the local-only save of "
+                f"{url} has no usable local copy on this node (and no rank serves it), and "
+                "the store has none: load the newest durable checkpoint instead")
 
     def _read_cooperative(self, plan: LoadPlan, planner: LoadPlanner,
-                          assignment: cooperative.Assignment, url: str, start: float
-                          ) -> Future[None] | tuple[list[Need], tier.LocalRead, list[Need]]:
-        """This rank's part of a cooperative load; when the ranks agreed to read directly
-        instead, what :meth:`_read_tier` found (the local tier is read either way)."""
+                          assignment: cooperative.Assignment, target: PlannerTarget, url: str
+                          ) -> tuple[_Tiered, cooperative.ExchangeFigures | None]:
+        """This rank's part of a cooperative load, after its local tier's: what the tier
+        did, and the exchange's figures (None when the ranks agreed to read directly)."""
         coop = cooperative.CooperativeRead(
             assignment, url=url, planner=planner, trusted=self.safe_globals,
             max_concurrency=self.transfer.max_concurrency,
             part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
             timeout_s=self.cooperative_timeout_s, local_files=self._local,
-            store=self._local_commit is None, sizes=self._sizes,
+            store=self._local_commit is None, sizes=self._sizes, pins=self._pins,
         )
-        needs: list[Need] = []
-        local = tier.LocalRead()
-        remote: list[Need] = []
-        backend, failed = None, None
+        tiered, backend, failed = _Tiered(), None, None
         try:
             backend = self._backend()
-            needs, local, remote = self._read_tier(plan, planner, url)
-            if self._local_commit is not None and local.fallback:
-                raise errors.IntegrityError(
-                    f"rank {self._rank}: the local copy of shard {local.fallback[0].relative} "
-                    f"of the local-only save of {url} cannot be used (see the warning above), "
-                    "and the store has none: load the newest durable checkpoint instead")
+            tiered = self._read_tier(plan, target, url, cooperative=True)
         except Exception as exc:  # noqa: BLE001 — coop.run reports it to every rank at once
             failed = exc
-        figures = coop.run(backend, remote, failed=failed)
-        if figures is None:
-            return needs, local, remote
-        stats = CallStats()
-        fetched, nranges = self._fetch_direct(local.fallback, planner, url, stats)
-        return self._done(LoadStats(
-            rank=self._rank, bytes_needed=sum(n.needed for n in needs),
-            bytes_fetched=figures.bytes_fetched + fetched, items=len(needs),
-            ranges=figures.ranges + nranges, fetch_s=time.monotonic() - start,
-            verified=self._verified,
-            retries=figures.calls.retries + stats.retries + self._metadata_retries,
-            cooperative=True, bytes_from_peers=figures.bytes_from_peers,
-            bytes_to_peers=figures.bytes_to_peers, rounds=figures.rounds,
-            peer_wait_s=figures.wait_s,
-            bytes_from_local=local.bytes_used + figures.bytes_from_local,
-            local_fallbacks=self._fallbacks(needs, local) + figures.local_fallbacks,
-        ), url)
+        return tiered, coop.run(backend, tiered.elsewhere, failed=failed)
 
-    def _read_local(self, needs: list[Need], planner: LoadPlanner, url: str
-                    ) -> tier.LocalRead:
-        """Apply the needs this node's local tier holds; the rest of them is returned."""
-        mine = [n for n in needs if n.relative in self._local]
-        for relative in sorted({n.relative for n in needs} & set(self._local_rejected)):
-            logger.warning("local copy of shard %s of %s is not used: %s; reading it from "
-                           "the store", relative, url, self._local_rejected[relative])
-        if not mine:
-            return tier.LocalRead()
-        return tier.read_local(
-            mine, self._local, gap=self.transfer.coalesce_gap,
-            max_size=self.transfer.max_range_size, url=url,
-            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),
-            direct=lambda need: direct_target(need, planner),
-            commit=lambda target: planner.commit_tensor(target.read, target.target))
-
-    def _fallbacks(self, needs: list[Need], local: tier.LocalRead) -> int:
-        rejected = sum(1 for n in needs if n.relative in self._local_rejected)
-        return rejected + len(local.fallback)
-
-    def _fetch_direct(self, needs: list[Need], planner: LoadPlanner, url: str,
-                      stats: CallStats) -> tuple[int, int]:
-        """Fetch, check and apply ``needs`` from the store; (bytes fetched, ranges)."""
-        empty = [n for n in needs if n.start == n.end and n.first_block is not None]
-        for need in empty:  # reads of no element of a raw tensor: nothing to fetch
-            apply_need(need, memoryview(b""), planner, self.safe_globals)
-        needs = [n for n in needs if not (n.start == n.end and n.first_block is not None)]
-        if not needs:
-            return 0, 0
-        backend = self._backend()
-        ranges = plan_ranges(needs, gap=self.transfer.coalesce_gap,
-                             max_size=self.transfer.max_range_size)
-        check_store(backend, ranges, url, self._sizes)
-        fetched = serve_store(
-            backend, ranges, url=url,
-            apply=lambda need, chunk: apply_need(need, chunk, planner, self.safe_globals),
-            max_concurrency=self.transfer.max_concurrency, chunk_size=self.transfer.part_size,
-            stats=stats)
-        return fetched, len(ranges)
+    def _fallbacks(self, tiered: _Tiered) -> int:
+        rejected = sum(1 for n in tiered.needs if n.relative in self._local_rejected)
+        return rejected + len(tiered.fallback)
 
     def _done(self, s: LoadStats, url: str) -> Future[None]:
         self.last_stats = s
@@ -412,6 +391,22 @@ class VolumeReader(Location, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _seconds(value: Any) -> float:
+    """``cooperative_timeout_s=``, checked."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise errors.ConfigError(
+            f"cooperative_timeout_s= must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass
+class _Tiered(TierRead):
+    """This rank's needs, and what its local tier did with them."""
+
+    needs: list[Need] = dataclasses.field(default_factory=list)
 
 
 def _from_store(needs: list[Need], local_files: frozenset[str]) -> list[Need]:

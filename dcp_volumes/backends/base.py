@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-import fsspec
 import fsspec.asyn
 
 from dcp_volumes import errors
@@ -43,6 +42,7 @@ from dcp_volumes.backends.translate import (
     throttled_too_long,
     translate_error,
 )
+from dcp_volumes.backends.versions import VersionedReads
 from dcp_volumes.config import RetryOptions
 
 __all__ = [
@@ -72,7 +72,7 @@ THROTTLE_RETRY_DOUBLINGS = 1
 THROTTLES_PER_ATTEMPT = 4
 
 
-class Backend:
+class Backend(VersionedReads):
     """A resolved checkpoint location: filesystem, root path, retry policy and capabilities.
 
     Backends hold live clients and are never pickled; writers and readers create them

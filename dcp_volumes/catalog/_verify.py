@@ -1,8 +1,8 @@
 """Verify: read a checkpoint back and check it against its manifest.
 
 The bytes go through the reader's own serve path: each stored item becomes a
-:class:`~dcp_volumes.transfer.readplan.Need`, needs are coalesced into ranged GETs by
-``plan_ranges``, fetched by ``transfer.serve.serve_store`` and checked by ``check_need``
+:class:`~dcp_volumes.loading.needs.Need`, needs are coalesced into ranged GETs by
+``plan_ranges``, fetched by the store source (``loading.sources.StoreSource``) and checked by ``check_need``
 (recorded in the file's report instead of raised) -- so ``verify``
 passes exactly when a load would find every byte intact. A large tensor whose manifest
 records per-block CRC32Cs is read in pieces of at most ``chunk_size`` bytes (its blocks
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import ReadItem
 
     from dcp_volumes._manifest import ItemEntry, Manifest
-    from dcp_volumes.transfer.readplan import Need
+    from dcp_volumes.loading.needs import Need
 
 __all__ = ["FileReport", "VerifyReport", "verify"]
 
@@ -279,7 +279,7 @@ def _plan(md: Metadata, manifest: Manifest, files: dict[str, FileReport], chunk_
 
 
 def _whole(relative: str, offset: int, entry: ItemEntry, read: ReadItem) -> Need:
-    from dcp_volumes.transfer.readplan import Need
+    from dcp_volumes.loading.needs import Need
 
     end = offset + entry.length
     return Need(relative, offset, end, offset, entry.length, [read], entry, None, entry.length)
@@ -303,7 +303,7 @@ def _data_bytes(entry: ItemEntry) -> int | None:
 
 def _pieces(split: _Split, chunk_size: int) -> list[Need]:
     """Bytes before the data, runs of whole blocks of at most ``chunk_size``, bytes after."""
-    from dcp_volumes.transfer.readplan import Need
+    from dcp_volumes.loading.needs import Need
 
     s, entry = split, split.entry
     data_start = s.offset + (entry.data_offset or 0)
@@ -339,30 +339,32 @@ def _fetch_and_check(
     progress: Progress | None,
 ) -> int:
     """Fetch every need as the reader does and check it; returns the bytes read."""
-    from dcp_volumes.transfer.readplan import plan_ranges
-    from dcp_volumes.transfer.serve import serve_store
+    from dcp_volumes.loading.needs import plan_ranges
+    from dcp_volumes.loading.sources import CannotServe, StoreSource
 
     url = redact_url(backend.url)
-    read = serve_store(
-        backend,
-        plan_ranges(plan.needs, gap=0, max_size=chunk_size),
-        url=url,
-        # a failure is recorded in the file's report, never raised: every file is checked
-        check=lambda need, chunk: _check(need, chunk, files[need.relative], plan, url),
-        apply=None,
-        max_concurrency=max_concurrency,
-        chunk_size=chunk_size,
-        stats=CallStats(),
-        on_missing=lambda _rng, exc: exc,  # deleted while verifying: raise, as a load would
-        progress=progress,
-    )
+    ranges = plan_ranges(plan.needs, gap=0, max_size=chunk_size)
+    store = StoreSource(backend, url, max_concurrency=max_concurrency, chunk_size=chunk_size,
+                        stats=CallStats())
+    total = sum(r.end - r.start for r in ranges)
+    for rng, got in store.serve(ranges):
+        if isinstance(got, CannotServe):
+            raise got.error  # deleted while verifying: raise, as a load would
+        view = memoryview(got)
+        for need in rng.items:
+            # a failure is recorded in the file's report, never raised: every file is checked
+            _check(need, view[need.start - rng.start:need.end - rng.start],
+                   files[need.relative], plan, url)
+        if progress is not None:
+            progress(store.fetched, total)
+    read = store.fetched
     for split in plan.split.values():
         _check_folded(split, files[split.relative], url)
     return read
 
 
 def _check(need: Need, chunk: memoryview, report: FileReport, plan: _Plan, url: str) -> None:
-    from dcp_volumes.transfer.readplan import check_need
+    from dcp_volumes.loading.needs import check_need
 
     if len(chunk) != need.end - need.start:  # the file shrank after its size was checked
         report.status = "size mismatch"
@@ -382,7 +384,7 @@ def _check(need: Need, chunk: memoryview, report: FileReport, plan: _Plan, url: 
 def _check_folded(split: _Split, report: FileReport, url: str) -> None:
     """The item's CRC32C from the outer pieces' CRCs and the (checked) block CRCs."""
     from dcp_volumes._crc import crc32c_extend
-    from dcp_volumes.transfer.readplan import describe
+    from dcp_volumes.loading.needs import describe
 
     entry = split.entry
     data_start = split.offset + (entry.data_offset or 0)

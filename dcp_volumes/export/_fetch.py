@@ -32,9 +32,11 @@ from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.config import TransferOptions
 from dcp_volumes.export._plan import PlannedTensor, Slab, SourceItem, slabs
+from dcp_volumes.loading.apply import PlannerTarget
+from dcp_volumes.loading.needs import Need, plan_needs, plan_ranges
+from dcp_volumes.loading.serve import serve
+from dcp_volumes.loading.sources import StoreSource
 from dcp_volumes.transfer.download import RangeRequest
-from dcp_volumes.transfer.readplan import Need, apply_need, plan_needs, plan_ranges
-from dcp_volumes.transfer.serve import check_store, serve_store
 
 __all__ = ["Round", "SlabTarget", "Source", "source_items"]
 
@@ -108,7 +110,12 @@ class Source:
         self.url = url
         self.transfer = transfer
         self.stats = CallStats()
-        self.bytes_fetched = 0
+        self.store = StoreSource(backend, url, max_concurrency=transfer.max_concurrency,
+                                 chunk_size=transfer.part_size, stats=self.stats)
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.store.fetched
 
     def _md(self, fqn: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata[fqn]
@@ -151,7 +158,7 @@ class Source:
                                  self.metadata)
             r.ranges = plan_ranges(r.needs, gap=self.transfer.coalesce_gap,
                                    max_size=self.transfer.max_range_size)
-        check_store(self.backend, [rng for r in rounds for rng in r.ranges], self.url)
+        self.store.check([rng for r in rounds for rng in r.ranges])
         return [r for r in rounds if r.slabs]
 
     def _reads(self, slab: Slab) -> list[ReadItem]:
@@ -171,10 +178,6 @@ class Source:
         """The slabs of ``rnd``, in order, in their source dtype (checked bytes only)."""
         buffers = {(s.tensor.source, s.offsets): torch.empty(
             s.shape, dtype=getattr(torch, s.tensor.source_dtype)) for s in rnd.slabs}
-        target = SlabTarget(buffers)
-        self.bytes_fetched += serve_store(
-            self.backend, rnd.ranges, url=self.url,
-            apply=lambda need, chunk: apply_need(need, chunk, target),
-            max_concurrency=self.transfer.max_concurrency,
-            chunk_size=self.transfer.part_size, stats=self.stats)
+        serve(self.store, rnd.ranges, PlannerTarget(SlabTarget(buffers)), url=self.url,
+              last=True)
         return [buffers[(s.tensor.source, s.offsets)] for s in rnd.slabs]

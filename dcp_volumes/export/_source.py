@@ -9,9 +9,13 @@ It is a :class:`~dcp_volumes.VolumeReader` whose ``.metadata`` and manifest are 
 files' headers instead of read from storage: one stored item per tensor (the tensor's raw
 bytes, C order), so the reader's whole read path — narrowing to the elements a rank needs,
 coalescing, concurrency, copies straight into the targets, cooperative loads — applies as for
-a checkpoint. The entries it builds carry no checksum (safetensors has none): only lengths
-are checked, and ``LoadStats.verified`` is False. The "no checksum" marking exists only in
-entries this module builds (``ItemEntry.raw``), never in a manifest read from storage.
+a checkpoint. The entries it builds carry no checksum (safetensors has none): lengths are
+checked, every tensor read is conditional on the version of its file pinned when the header
+was read (a file replaced meanwhile: :class:`~dcp_volumes.errors.CheckpointChangedError`,
+never the new file's bytes at the old header's offsets), and ``LoadStats.verified`` is
+False. The "no checksum" marking exists only in entries this module builds
+(``ItemEntry.raw``), never in a manifest read from storage. It plugs into the reader through
+its public seam, :meth:`~dcp_volumes.VolumeReader.open_checkpoint`.
 
 Everything read from storage is untrusted (``DESIGN.md``, "Trust boundary"): the index is
 size-capped and names only plain ``*.safetensors`` files in the same directory; each header
@@ -41,9 +45,10 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_volumes import _layout, _typed, errors
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
 from dcp_volumes.backends import Backend, redact_url
+from dcp_volumes.backends.versions import ObjectVersion
 from dcp_volumes.config import RetryOptions, TransferOptions
 from dcp_volumes.export import _format
-from dcp_volumes.reader import VolumeReader
+from dcp_volumes.reader import Opened, VolumeReader
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "SafetensorsReader"]
 
@@ -120,10 +125,6 @@ class SafetensorsReader(VolumeReader):
         named = f"/{self._named}" if self._named else ""
         return f"SafetensorsReader({redact_url(self._url)}{named!r})"
 
-    @property
-    def _verified(self) -> bool:
-        return False  # safetensors has no checksums
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             directory, self._named = _split(os.fspath(checkpoint_id))
@@ -145,55 +146,64 @@ class SafetensorsReader(VolumeReader):
                 return _typed.deferred(self.last_error)  # raised in set_up_storage_reader
             raise errors.CheckpointNotFoundError(
                 f"{redact_url(self._url)} holds safetensors: there is no per-rank metadata")
-        self.last_error = None
-        try:
-            metadata, self._manifest = self._build()
-        except errors.DCPVolumesError as exc:
-            self.last_error = exc
-            raise
-        return metadata
+        return super().read_metadata(*args, **kwargs)
 
-    # ---- building Metadata from the headers ----------------------------------------------
-    def _build(self) -> tuple[Metadata, Manifest]:
+    def open_checkpoint(self) -> Opened:
+        """The files' headers as ``.metadata`` and a manifest of raw entries (lengths only:
+        safetensors has no checksums), and each file's version when its header was read:
+        every tensor read is conditional on it, so a file replaced meanwhile fails the load
+        with :class:`~dcp_volumes.errors.CheckpointChangedError` instead of giving the new
+        file's bytes at the old header's offsets."""
         backend = self._backend()
         url = redact_url(self._url)
-        files = self._files(backend, url)
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         manifest = Manifest(save_id="safetensors", writer="safetensors", world_size=0)
+        pins: dict[str, ObjectVersion] = {}
         seen: dict[str, str] = {}
-        for relative, wanted in files.items():
-            size = backend.run(lambda r=relative: backend.size(r))  # type: ignore[misc]
-            if size is None:
+        for relative, wanted in self._files(backend, url).items():
+            pin = backend.run(lambda r=relative: backend.pin(r))  # type: ignore[misc]
+            if pin is None:
                 raise errors.IntegrityError(
                     f"{relative} of {url} is missing, but {INDEX_NAME} names it: upload it "
                     "again, or fix the index")
-            header = _format.read_header(_fetcher(backend, relative), size,
-                                              f"{relative} of {url}")
-            entry_of = {e.name: e for e in header.entries}
-            if wanted is not None:
-                missing = sorted(wanted - set(entry_of))
-                if missing:
-                    raise errors.IntegrityError(
-                        f"{INDEX_NAME} of {url} puts tensor {missing[0]!r} in {relative}, "
-                        "whose header does not have it: the index and the files disagree")
-            file_entry = FileEntry(size=size)
-            for e in header.entries:
-                if wanted is not None and e.name not in wanted:
-                    continue
-                key = self._key(e.name, seen, relative)
-                if key is None:
-                    continue
-                md, stored = _tensor(e, relative, header.data_start, f"{relative} of {url}")
-                state[key] = md
-                storage[MetadataIndex(key, md.chunks[0].offsets)] = stored
-                file_entry.items[stored.offset] = ItemEntry.raw(
-                    stored.length, e.torch_dtype, e.shape, e.element_size)
-            manifest.files[relative] = file_entry
+            pins[relative] = pin
+            header = _format.read_header(_fetcher(backend, relative, pin), pin.size,
+                                         f"{relative} of {url}")
+            manifest.files[relative] = self._add(header, relative, wanted, url, pin.size,
+                                                 (state, storage, seen))
         metadata = Metadata(state_dict_metadata=state, storage_data=storage,
                             storage_meta=StorageMeta(checkpoint_id=url,
                                                      load_id=_layout.new_save_id()))
-        return metadata, manifest
+        return Opened(metadata, manifest, verified=False, pins=pins)
+
+    def _add(self, header: _format.Header, relative: str, wanted: frozenset[str] | None,
+             url: str, size: int,
+             into: tuple[dict[str, Any], dict[MetadataIndex, _Stored], dict[str, str]]
+             ) -> FileEntry:
+        """One file's tensors into the state's metadata and storage data; its manifest
+        entry."""
+        state, storage, seen = into
+        entry_of = {e.name: e for e in header.entries}
+        if wanted is not None:
+            missing = sorted(wanted - set(entry_of))
+            if missing:
+                raise errors.IntegrityError(
+                    f"{INDEX_NAME} of {url} puts tensor {missing[0]!r} in {relative}, "
+                    "whose header does not have it: the index and the files disagree")
+        file_entry = FileEntry(size=size)
+        for e in header.entries:
+            if wanted is not None and e.name not in wanted:
+                continue
+            key = self._key(e.name, seen, relative)
+            if key is None:
+                continue
+            md, stored = _tensor(e, relative, header.data_start, f"{relative} of {url}")
+            state[key] = md
+            storage[MetadataIndex(key, md.chunks[0].offsets)] = stored
+            file_entry.items[stored.offset] = ItemEntry.raw(
+                stored.length, e.torch_dtype, e.shape, e.element_size)
+        return file_entry
 
     def _key(self, name: str, seen: dict[str, str], relative: str) -> str | None:
         key = self.key_map(name) if self.key_map is not None else self.prefix + name
@@ -236,9 +246,10 @@ def _split(url: str) -> tuple[str, str | None]:
     return url, None
 
 
-def _fetcher(backend: Backend, relative: str) -> Callable[[int, int], bytes]:
+def _fetcher(backend: Backend, relative: str, pin: ObjectVersion
+             ) -> Callable[[int, int], bytes]:
     def fetch(start: int, end: int) -> bytes:
-        return backend.run(lambda: backend.cat(relative, start=start, end=end))
+        return backend.run(lambda: backend.cat_pinned(relative, pin, start=start, end=end))
     return fetch
 
 

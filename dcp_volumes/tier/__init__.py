@@ -6,7 +6,7 @@ Modules, each with one job:
   serialize, every field checked), one walk over saves; torch-free.
 - ``_write``: a rank's files of one save going in (:class:`TierSave`).
 - ``_retention``: ``keep_last`` / ``max_bytes`` over the whole tier directory.
-- ``_read``: finding the committed save's files and reading them, CRC-checked.
+- ``_read``: finding the committed save's files (read by ``dcp_volumes.loading.sources``).
 - ``_local_only``: local-only saves, their commit files and lineage, finding them.
 - ``_replicas``: own copies sent to a partner, partner copies arriving.
 - ``_partners``: the partner map and the post-save exchange over gloo.
@@ -43,16 +43,16 @@ if TYPE_CHECKING:
         parse_commit,
     )
     from dcp_volumes.tier._partners import CHUNK_BYTES, partner_map, replicate
-    from dcp_volumes.tier._read import LocalFile, LocalRead, find_local, read_local, read_span
+    from dcp_volumes.tier._read import LocalFile, find_local
     from dcp_volumes.tier._replicas import OwnCopy, TierReplica, open_own, own_copy
     from dcp_volumes.tier._retention import apply_retention
     from dcp_volumes.tier._write import TierSave
 
 __all__ = ["CHUNK_BYTES", "STALE_S", "Descriptor", "DurableBase", "LocalCommit", "LocalFile",
-           "LocalOnlyCopy", "LocalOnlyRef", "LocalRead", "OwnCopy", "SaveDir", "TierReplica",
-           "TierSave", "apply_retention", "continues", "find_local", "find_local_only",
-           "name_under", "normal_url", "open_own", "own_copy", "parse_commit", "partner_map",
-           "read_local", "read_span", "replicate", "url_key", "walk_saves"]
+           "LocalOnlyCopy", "LocalOnlyRef", "OwnCopy", "SaveDir", "TierReplica", "TierSave",
+           "apply_retention", "continues", "find_local", "find_local_only", "name_under",
+           "normal_url", "open_own", "own_copy", "parse_commit", "partner_map", "replicate",
+           "url_key", "walk_saves"]
 
 _LAZY: dict[str, str] = {
     "STALE_S": "dcp_volumes.tier._layout",
@@ -73,10 +73,7 @@ _LAZY: dict[str, str] = {
     "partner_map": "dcp_volumes.tier._partners",
     "replicate": "dcp_volumes.tier._partners",
     "LocalFile": "dcp_volumes.tier._read",
-    "LocalRead": "dcp_volumes.tier._read",
     "find_local": "dcp_volumes.tier._read",
-    "read_local": "dcp_volumes.tier._read",
-    "read_span": "dcp_volumes.tier._read",
     "OwnCopy": "dcp_volumes.tier._replicas",
     "TierReplica": "dcp_volumes.tier._replicas",
     "open_own": "dcp_volumes.tier._replicas",

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, CallStats
+from dcp_volumes.backends.versions import ObjectVersion
 
 __all__ = ["MIN_SPLIT_GET", "RangeRequest", "check_extents", "fanout_chunk", "fetch_ranges"]
 
@@ -28,18 +29,24 @@ class RangeRequest:
     start: int
     end: int
     items: list[Any] = field(default_factory=list)
+    #: where a source that can should read the bytes to (a load's ``DirectTarget``, whose
+    #: memory is exactly these bytes), or None
+    into: Any = None
+
+#: what :func:`fetch_ranges` yields for a range: its bytes, or why its object could not be
+#: read (gone: ``ObjectNotFoundError``; no longer the pinned version: ``CheckpointChangedError``)
+Fetched = bytes | bytearray | errors.ObjectNotFoundError | errors.CheckpointChangedError
 
 
 class _Fetches:
     """The event-loop side of :func:`fetch_ranges`: one task per range, results on a queue."""
 
     def __init__(self, backend: Backend, *, max_concurrency: int, chunk_size: int,
-                 stats: CallStats,
-                 on_missing: Callable[[RangeRequest, BaseException], BaseException]) -> None:
+                 stats: CallStats, pins: Mapping[str, ObjectVersion] | None) -> None:
         self.backend = backend
         self.chunk_size = chunk_size
         self.stats = stats
-        self.on_missing = on_missing
+        self.pins = pins or {}
         self.results: queue.Queue[tuple[RangeRequest | None, Any]] = queue.Queue()
         self.cancel = threading.Event()
         self.inflight = backend.run(lambda: _make_semaphore(max_concurrency))
@@ -61,14 +68,18 @@ class _Fetches:
         try:
             data = await self._fetch_one(req)
             self.results.put((req, data))
+        except (errors.ObjectNotFoundError, errors.CheckpointChangedError) as exc:
+            self.results.put((req, exc))  # this range's answer: the consumer decides
         except BaseException as exc:  # noqa: BLE001 — handed to the consumer
             self.slots.release()
-            if isinstance(exc, errors.ObjectNotFoundError):
-                exc = self.on_missing(req, exc)
             self.results.put((None, exc))
 
     async def _get(self, req: RangeRequest, start: int, end: int) -> bytes:
+        pin = self.pins.get(req.relative)
         async with self.inflight:
+            if pin is not None:
+                return await self.backend.cat_pinned(req.relative, pin, start=start, end=end,
+                                                     stats=self.stats)
             return await self.backend.cat(req.relative, start=start, end=end, stats=self.stats)
 
     async def _fetch_one(self, req: RangeRequest) -> bytes | bytearray:
@@ -108,16 +119,18 @@ def fetch_ranges(
     max_concurrency: int,
     chunk_size: int,
     stats: CallStats,
-    on_missing: Callable[[RangeRequest, BaseException], BaseException],
-) -> Iterator[tuple[RangeRequest, bytes]]:
-    """Fetch ``ranges`` concurrently; yield each with its bytes as it arrives.
+    pins: Mapping[str, ObjectVersion] | None = None,
+) -> Iterator[tuple[RangeRequest, Fetched]]:
+    """Fetch ``ranges`` concurrently; yield each with its bytes as it arrives, or with the
+    typed error of an object that is gone or (``pins``: the versions to read, by relative
+    path) no longer the pinned version. Any other failure is raised.
 
     At most ``max_concurrency`` GETs are in flight and at most ``2 × max_concurrency``
     fetched ranges wait for the consumer, which bounds memory. A range larger than
     ``chunk_size`` (one large item) is fetched as parallel GETs of ``chunk_size``.
     """
     fetches = _Fetches(backend, max_concurrency=max_concurrency, chunk_size=chunk_size,
-                       stats=stats, on_missing=on_missing)
+                       stats=stats, pins=pins)
     done = asyncio.run_coroutine_threadsafe(fetches.all(ranges), backend.loop)
     try:
         for _ in range(len(ranges)):
@@ -141,9 +154,8 @@ def fetch_ranges(
 
 
 def check_extents(backend: Backend, ranges: list[RangeRequest],
-                  on_missing: Callable[[RangeRequest, BaseException], BaseException],
-                  on_short: Callable[[RangeRequest, int], BaseException],
-                  sizes: Mapping[str, int] | None = None) -> None:
+                  sizes: Mapping[str, int] | None = None
+                  ) -> tuple[RangeRequest, int | None] | None:
     """Check every planned range against its object's size before any GET.
 
     The size is the one ``sizes`` holds for the file (the checked manifest's: no request),
@@ -153,9 +165,9 @@ def check_extents(backend: Backend, ranges: list[RangeRequest],
     requests). An object shorter than its manifest says fails the check of the bytes that
     arrive (a short read), missing it fails the GET.
 
-    Raises:
-        what ``on_missing(range, error)`` returns for a missing object, or ``on_short(range,
-        size)`` for the furthest range of a file that ends before it.
+    Returns:
+        None when every range fits; else the furthest range of the first file that is
+        missing (with None) or ends before that range does (with the object's size).
     """
     ends: dict[str, RangeRequest] = {}
     for r in ranges:
@@ -172,8 +184,7 @@ def check_extents(backend: Backend, ranges: list[RangeRequest],
     async def _sizes() -> list[int | None]:
         return list(await asyncio.gather(*(_size(rel) for rel in ends)))
 
-    for (relative, last), size in zip(ends.items(), backend.run(_sizes)):
-        if size is None:
-            raise on_missing(last, errors.ObjectNotFoundError(relative))
-        if last.end > size:
-            raise on_short(last, size)
+    for last, size in zip(ends.values(), backend.run(_sizes)):
+        if size is None or last.end > size:
+            return last, size
+    return None

@@ -1,4 +1,4 @@
-"""The coordinator's part of a cooperative load (``transfer.cooperative.assign``), as tables:
+"""The coordinator's part of a cooperative load (``loading.cooperative.assign``), as tables:
 who fetches which bytes, in which round, and when the ranks read directly instead."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from dcp_volumes._manifest import ItemEntry
-from dcp_volumes.transfer.cooperative import Assignment, LocalInfo, Summary, assign
-from dcp_volumes.transfer.readplan import Need
+from dcp_volumes.loading.cooperative import Assignment, LocalInfo, Summary, assign
+from dcp_volumes.loading.needs import Need
 
 MiB = 1 << 20
 BLOCK = MiB

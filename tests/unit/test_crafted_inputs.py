@@ -289,7 +289,7 @@ def test_a_reader_and_reader_options_together_are_refused(tmp_path: Path) -> Non
 def test_an_object_refused_without_a_global_says_why(saved: Path, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     shutil.copytree(saved, path)
-    from dcp_volumes.transfer.readplan import check_object_item
+    from dcp_volumes.loading.apply import check_object_item
 
     class _Read:
         storage_index = type("I", (), {"fqn": "obj", "offset": None})()

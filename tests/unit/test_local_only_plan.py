@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp_volumes.transfer.cooperative import LocalInfo, assign
-from dcp_volumes.transfer.readplan import Need
+from dcp_volumes.loading.cooperative import LocalInfo, assign
+from dcp_volumes.loading.needs import Need
 
 MiB = 1 << 20
 

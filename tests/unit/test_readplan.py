@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_volumes.transfer.readplan import Need, plan_ranges
+from dcp_volumes.loading.needs import Need, plan_ranges
 
 
 def _needs(spec: list[tuple[str, int, int]]) -> list[Need]:

@@ -35,14 +35,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from dcp_volumes import errors
 from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
+from dcp_volumes.loading.apply import apply_need, direct_target
+from dcp_volumes.loading.needs import Need, check_need, plan_needs
 from dcp_volumes.saving import SpoolFile
-from dcp_volumes.transfer.readplan import (
-    Need,
-    apply_need,
-    check_need,
-    direct_target,
-    plan_needs,
-)
 
 FQN = "w"
 SHARD = "__0_0.distcp"

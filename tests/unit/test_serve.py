@@ -1,10 +1,12 @@
-"""The one serve path (``transfer.serve``): spans checked before they are applied, failures
-left to the store, and one wording for missing and truncated objects. Files are written
-with plain ``open`` behind the serve path's back."""
+"""The one serve path (``loading.serve``, moved from ``transfer.serve``): spans checked before
+they are applied, failures returned typed for the next source, and one wording for missing
+and truncated objects. Files are written with plain ``open`` behind the sources' backs."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +19,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from dcp_volumes import errors
 from dcp_volumes._manifest import ItemEntry
 from dcp_volumes.backends import CallStats, open_backend
-from dcp_volumes.transfer.download import RangeRequest, fanout_chunk
-from dcp_volumes.transfer.readplan import Need, plan_ranges
-from dcp_volumes.transfer.serve import (
-    check_store,
+from dcp_volumes.loading.needs import Need, plan_ranges
+from dcp_volumes.loading.serve import serve
+from dcp_volumes.loading.sources import (
+    CannotServe,
+    LocalTierSource,
+    Payload,
+    StoreSource,
+    Unserved,
     missing_object,
-    serve_local,
-    serve_store,
     truncated_object,
 )
+from dcp_volumes.tier import LocalFile
+from dcp_volumes.transfer.download import RangeRequest, fanout_chunk
 
 DATA = bytes(range(256)) * 16  # 4 KiB
 
@@ -42,51 +48,110 @@ def _need(start: int, end: int, *, crc: int | None = None, rel: str = "a.distcp"
                 end - start)
 
 
-def _collect() -> tuple[list[Any], list[Any], dict[str, Any]]:
-    applied: list[Any] = []
-    failures: list[Any] = []
+class _Collect:
+    """A target that records what it is given."""
 
-    def check(span: Need, chunk: memoryview) -> None:
-        from dcp_volumes.transfer.readplan import check_need
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, bytes]] = []
 
-        check_need(span, chunk, "file:///ckpt")
-
-    hooks = {"check": check, "apply": lambda s, c: applied.append((s.start, bytes(c))),
-             "unreadable": lambda rng, exc: failures.append(("unreadable", rng.start)),
-             "bad": lambda span, exc: failures.append(("bad", span.start))}
-    return applied, failures, hooks
+    def apply(self, span: Need, chunk: memoryview, into: Any) -> None:
+        self.applied.append((span.start, bytes(chunk)))
 
 
-def test_local_spans_are_checked_before_they_are_applied() -> None:
+class _Bytes:
+    """A source serving DATA, or one typed answer for every range."""
+
+    needs_check = True
+
+    def __init__(self, answer: CannotServe | None = None) -> None:
+        self.answer = answer
+
+    def serve(self, ranges: Sequence[RangeRequest], stop: threading.Event | None = None
+              ) -> Iterator[tuple[RangeRequest, Payload]]:
+        for rng in ranges:
+            yield rng, self.answer or DATA[rng.start:rng.end]
+
+
+def test_spans_are_checked_before_they_are_applied() -> None:
+    # was test_local_spans_are_checked_before_they_are_applied (serve_local's callbacks)
     good, bad = _need(0, 100), _need(100, 300, crc=1)
     ranges = plan_ranges([good, bad], gap=0, max_size=1 << 20)
-    applied, failures, hooks = _collect()
-    served = serve_local(ranges, lambda rng: DATA[rng.start:rng.end], **hooks)
-    assert applied == [(0, DATA[:100])]
+    target = _Collect()
+    served = serve(_Bytes(), ranges, target, url="file:///ckpt")
+    assert target.applied == [(0, DATA[:100])]
     assert served.nbytes == 100 and served.failed == [bad]
-    assert failures == [("bad", 100)]
+    [(span, why)] = served.unserved
+    assert span is bad and why.reason is Unserved.DAMAGED
+    assert isinstance(why.error, errors.IntegrityError) and "checksum mismatch" in str(why.error)
+    with pytest.raises(errors.IntegrityError, match="checksum mismatch"):
+        serve(_Bytes(), ranges, _Collect(), url="file:///ckpt", last=True)
 
 
-def test_an_unreadable_local_range_leaves_all_its_spans_to_the_store() -> None:
+def test_a_range_not_served_leaves_all_its_spans_to_the_next_source() -> None:
+    # was test_an_unreadable_local_range_leaves_all_its_spans_to_the_store
     needs = [_need(0, 100), _need(100, 200)]
     ranges = plan_ranges(needs, gap=0, max_size=1 << 20)
-    applied, failures, hooks = _collect()
-
-    def read(rng: RangeRequest) -> bytes:
-        raise OSError(5, "it is shorter than expected")
-
-    served = serve_local(ranges, read, **hooks)
-    assert not applied and served.nbytes == 0 and served.failed == needs
-    assert failures == [("unreadable", 0)]
+    target = _Collect()
+    why = CannotServe(Unserved.UNREADABLE, "it cannot be read", errors.IntegrityError("x"))
+    served = serve(_Bytes(why), ranges, target, url="u")
+    assert not target.applied and served.nbytes == 0 and served.failed == needs
+    assert [w for _, w in served.unserved] == [why, why]
 
 
-def test_a_stopped_local_read_leaves_nothing() -> None:
+def test_a_stopped_read_leaves_nothing() -> None:
+    # was test_a_stopped_local_read_leaves_nothing
     stop = threading.Event()
     stop.set()
-    applied, _, hooks = _collect()
-    served = serve_local(plan_ranges([_need(0, 10)], gap=0, max_size=100),
-                         lambda rng: DATA[rng.start:rng.end], stop=stop, **hooks)
-    assert not applied and not served.failed and served.nbytes == 0
+    target = _Collect()
+    served = serve(_Bytes(), plan_ranges([_need(0, 10)], gap=0, max_size=100), target,
+                   url="u", stop=stop)
+    assert not target.applied and not served.failed and served.nbytes == 0
+
+
+def _tier(tmp_path: Path, size: int = len(DATA)) -> LocalTierSource:
+    path = tmp_path / "a.distcp"
+    path.write_bytes(DATA)
+    return LocalTierSource({"a.distcp": LocalFile(str(path), size)}, "file:///ckpt")
+
+
+def test_local_tier_answers_each_failure_typed(tmp_path: Path) -> None:
+    """What the local tier cannot serve is a typed answer, never text to parse (the reason
+    a fallback warning names is ``CannotServe.why``)."""
+    ranges = plan_ranges([_need(0, 100)], gap=0, max_size=1 << 20)
+    source = _tier(tmp_path)
+    [(_, got)] = list(source.serve(ranges))
+    assert bytes(got) == DATA[:100]  # type: ignore[arg-type]
+    other = plan_ranges([_need(0, 10, rel="b.distcp")], gap=0, max_size=100)
+    [(_, got)] = list(source.serve(other))
+    assert isinstance(got, CannotServe) and got.reason is Unserved.MISSING
+    [(_, got)] = list(_tier(tmp_path, size=len(DATA) + 1).serve(ranges))  # changed size
+    assert isinstance(got, CannotServe) and got.reason is Unserved.CHANGED
+    assert "now 4096 bytes, expected 4097" in got.why
+    link = tmp_path / "link.distcp"
+    os.symlink(tmp_path / "a.distcp", link)
+    linked = LocalTierSource({"a.distcp": LocalFile(str(link), len(DATA))}, "u")
+    [(_, got)] = list(linked.serve(ranges))
+    assert isinstance(got, CannotServe) and got.reason is Unserved.UNREADABLE
+    past = [RangeRequest("a.distcp", len(DATA) - 10, len(DATA) + 10, [])]
+    [(_, got)] = list(source.serve(past))
+    assert isinstance(got, CannotServe) and got.reason is Unserved.CHANGED
+    assert isinstance(got.error, errors.IntegrityError)
+
+
+def test_local_tier_reads_straight_into_a_target(tmp_path: Path) -> None:
+    """A range with ``into`` is read into that memory, on a few threads when several."""
+
+    class _Into:
+        def __init__(self, n: int) -> None:
+            self.view = torch.zeros(n, dtype=torch.uint8)
+
+    source = _tier(tmp_path)
+    ranges = [RangeRequest("a.distcp", a, a + 100, [], into=_Into(100)) for a in (0, 200, 400)]
+    got = list(source.serve(ranges))
+    assert [r.start for r, _ in got] == [0, 200, 400]
+    for rng, payload in got:
+        assert bytes(rng.into.view.numpy()) == DATA[rng.start:rng.end]
+        assert bytes(payload) == DATA[rng.start:rng.end]  # type: ignore[arg-type]
 
 
 def test_missing_and_truncated_name_the_item_when_there_is_one() -> None:
@@ -105,23 +170,32 @@ def test_store_serve_checks_sizes_then_fetches_checks_and_applies(tmp_path: Path
     backend = open_backend(str(tmp_path), None)
     good, bad = _need(0, 1000), _need(1000, 2000, crc=7)
     ranges = plan_ranges([good], gap=0, max_size=512)
-    check_store(backend, ranges, "u")
-    applied: list[Any] = []
-    progress: list[tuple[int, int]] = []
-    got = serve_store(backend, ranges, url="u", apply=lambda s, c: applied.append(bytes(c)),
-                      max_concurrency=2, chunk_size=256, stats=CallStats(),
-                      progress=lambda d, t: progress.append((d, t)))
-    assert got == 1000 and applied == [DATA[:1000]] and progress[-1] == (1000, 1000)
+    store = StoreSource(backend, "u", max_concurrency=2, chunk_size=256, stats=CallStats())
+    store.check(ranges)
+    target = _Collect()
+    served = serve(store, ranges, target, url="u", last=True)
+    assert served.nbytes == 1000 and store.fetched == 1000
+    assert target.applied == [(0, DATA[:1000])]
     with pytest.raises(errors.IntegrityError, match="checksum mismatch"):
-        serve_store(backend, plan_ranges([bad], gap=0, max_size=4096), url="u",
-                    apply=lambda s, c: applied.append(bytes(c)), max_concurrency=1,
-                    chunk_size=4096, stats=CallStats())
-    assert len(applied) == 1  # the corrupt span was never applied
+        serve(store, plan_ranges([bad], gap=0, max_size=4096), target, url="u", last=True)
+    assert len(target.applied) == 1  # the corrupt span was never applied
     with pytest.raises(errors.IntegrityError, match="truncated or its metadata is damaged"):
-        check_store(backend, [RangeRequest("a.distcp", 0, 5000, [_need(0, 5000)])], "u")
+        store.check([RangeRequest("a.distcp", 0, 5000, [_need(0, 5000)])])
     with pytest.raises(errors.IntegrityError, match="b.distcp of u is missing"):
-        check_store(backend, [RangeRequest("b.distcp", 0, 10, [_need(0, 10, rel="b.distcp")])],
-                    "u")
+        store.check([RangeRequest("b.distcp", 0, 10, [_need(0, 10, rel="b.distcp")])])
+
+
+def test_an_object_deleted_while_fetching_is_a_typed_answer(tmp_path: Path) -> None:
+    (tmp_path / "a.distcp").write_bytes(DATA)
+    backend = open_backend(str(tmp_path), None)
+    store = StoreSource(backend, "u", max_concurrency=1, chunk_size=4096, stats=CallStats())
+    ranges = plan_ranges([_need(0, 100)], gap=0, max_size=4096)
+    store.check(ranges)
+    os.unlink(tmp_path / "a.distcp")
+    [(_, got)] = list(store.serve(ranges))
+    assert isinstance(got, CannotServe) and got.reason is Unserved.MISSING
+    with pytest.raises(errors.IntegrityError, match="a.distcp of u is missing"):
+        serve(store, ranges, _Collect(), url="u", last=True)
 
 
 def test_a_few_parts_worth_is_spread_over_the_allowed_connections(tmp_path: Path) -> None:
@@ -132,10 +206,10 @@ def test_a_few_parts_worth_is_spread_over_the_allowed_connections(tmp_path: Path
     need = Need("big.distcp", 0, len(blob), 0, len(blob), [], None, None, len(blob))
     ranges = plan_ranges([need], gap=0, max_size=64 << 20)
     stats = CallStats()
-    got: list[bytes] = []
-    serve_store(backend, ranges, url="u", apply=lambda s, c: got.append(bytes(c)),
-                max_concurrency=6, chunk_size=16 << 20, stats=stats)
-    assert got == [blob] and stats.requests == 6
+    target = _Collect()
+    store = StoreSource(backend, "u", max_concurrency=6, chunk_size=16 << 20, stats=stats)
+    serve(store, ranges, target, url="u", last=True)
+    assert [c for _, c in target.applied] == [blob] and stats.requests == 6
     assert fanout_chunk(12 << 20, 6, 16 << 20) == 2 << 20
     assert fanout_chunk(100 << 20, 4, 16 << 20) == 16 << 20  # never above chunk_size
     assert fanout_chunk(1 << 20, 16, 16 << 20) == 2 << 20  # never below MIN_SPLIT_GET

@@ -1,5 +1,6 @@
-"""What a loading rank fetches: byte spans per stored item, coalesced into ranged GETs,
-checked against the manifest, and turned into tensors.
+"""What a loading rank needs: byte spans per stored item (:class:`Need`), coalesced into
+ranged reads (:func:`plan_ranges`), and the one check of their bytes against the manifest
+(:func:`check_need`). Turning checked bytes into tensors is :mod:`dcp_volumes.loading.apply`.
 
 A stored item is fetched whole (and its CRC32C checked) unless the manifest records where
 the raw bytes of a large contiguous tensor sit inside it (``ItemEntry.data_offset``). Then
@@ -13,26 +14,22 @@ fetched whole and decoded with a bound (:mod:`dcp_volumes.transfer.transforms`).
 
 from __future__ import annotations
 
-import io
 import math
-import pickle
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import crc32c
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import ItemEntry, Manifest, item_dtype
 from dcp_volumes.transfer import transforms
 from dcp_volumes.transfer.download import RangeRequest
 
-__all__ = ["DirectTarget", "Need", "Span", "apply_need", "check_need", "check_object_item",
-           "describe", "direct_target", "plan_needs", "plan_ranges"]
+__all__ = ["Need", "Span", "check_need", "contiguous_strides", "describe", "element_span",
+           "plan_needs", "plan_ranges"]
 
 
 @dataclass
@@ -57,20 +54,25 @@ class Need:
     #: torch's ``ExtensionRegistry`` that decodes custom ``transforms`` (None: zstd only)
     registry: Any = None
 
+    @property
+    def parts(self) -> tuple[Need, ...]:
+        """The spans :func:`check_need` checks (a need is checked as a whole)."""
+        return (self,)
+
 
 def describe(read: ReadItem) -> str:
     index = read.storage_index
     return f"item {index.fqn!r}" + (f" at offset {tuple(index.offset)}" if index.offset else "")
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(shape[i + 1], 1)
     return tuple(strides)
 
 
-def _element_span(read: ReadItem, strides: tuple[int, ...]) -> tuple[int, int]:
+def element_span(read: ReadItem, strides: tuple[int, ...]) -> tuple[int, int]:
     """[first, last + 1) linear element index of the read's block in a contiguous chunk."""
     first = sum(o * s for o, s in zip(read.storage_offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(read.storage_offsets, read.lengths, strides))
@@ -160,8 +162,8 @@ def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
     if not isinstance(dtype, torch.dtype):
         return whole
     es = torch.empty((), dtype=dtype).element_size()
-    strides = _contiguous_strides(entry.shape)
-    spans = [_element_span(r, strides) for r in reads]
+    strides = contiguous_strides(entry.shape)
+    spans = [element_span(r, strides) for r in reads]
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
     nbytes = math.prod(entry.shape) * es
     bs = entry.block_size
@@ -176,8 +178,8 @@ def _raw_need(relative: str, offset: int, length: int, reads: list[ReadItem],
     """The span of a raw item (nothing but the tensor's bytes) its reads' elements cover;
     an empty span at the item's start when they cover none."""
     es = entry.block_size  # a raw entry's blocks are its elements
-    strides = _contiguous_strides(entry.shape)
-    spans = [_element_span(r, strides) for r in reads if math.prod(r.lengths)]
+    strides = contiguous_strides(entry.shape)
+    spans = [element_span(r, strides) for r in reads if math.prod(r.lengths)]
     if any(r.type != LoadItemType.TENSOR for r in reads):
         raise errors.IntegrityError(f"{describe(reads[0])} is a tensor in the stored file, "
                                     "but the state dict holds a non-tensor value there")
@@ -190,7 +192,7 @@ def _raw_need(relative: str, offset: int, length: int, reads: list[ReadItem],
 
 class Span(Protocol):
     """Anything with a byte span ``[start, end)`` of a file (a :class:`Need`, or the
-    cooperative load's bundles)."""
+    cooperative load's bundles), checked as its ``parts`` (needs inside it)."""
 
     @property
     def relative(self) -> str: ...
@@ -198,6 +200,8 @@ class Span(Protocol):
     def start(self) -> int: ...
     @property
     def end(self) -> int: ...
+    @property
+    def parts(self) -> Sequence[Need]: ...
 
 
 def plan_ranges(needs: Sequence[Span], *, gap: int, max_size: int) -> list[RangeRequest]:
@@ -256,161 +260,3 @@ def _mismatch(what: str, relative: str, url: str, actual: int, expected: int
         f"checksum mismatch for {what} in shard {relative} of {url} (crc32c {actual:08x}, "
         f"expected {expected & 0xFFFFFFFF:08x}): the stored bytes are corrupt"
     )
-
-
-def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
-               trusted: Sequence[Any] = ()) -> None:
-    """Deserialize the fetched bytes into the planner's targets.
-
-    ``trusted``: globals (classes, functions) a pickled non-tensor item may reference on
-    top of what torch's weights-only unpickler allows.
-    """
-    if need.first_block is None:
-        if need.transforms:
-            what = f"{describe(need.reads[0])} in shard {need.relative}"
-            chunk = transforms.decode(need.transforms, chunk, limit=need.decoded_limit,
-                                      what=what, registry=need.registry)
-            transforms.check_zip_crcs(chunk, what)
-        for read in need.reads:
-            _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms),
-                        dtype=need.dtype)
-        return
-    entry = cast(ItemEntry, need.entry)
-    dtype = getattr(torch, entry.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only buffer: we only copy out of it
-        flat = torch.frombuffer(chunk, dtype=dtype) if len(chunk) else torch.empty(0, dtype=dtype)
-    strides = _contiguous_strides(entry.shape)
-    base = need.first_block * entry.block_size // flat.element_size()
-    for read in need.reads:
-        if not math.prod(read.lengths):
-            _copy_into(read, torch.empty(tuple(read.lengths), dtype=dtype), planner)
-            continue
-        first, _ = _element_span(read, strides)
-        view = torch.as_strided(flat, size=tuple(read.lengths), stride=strides,
-                                storage_offset=first - base)
-        _copy_into(read, view, planner)
-
-
-#: globals every object item may reference: DCP stores ``io.BytesIO`` values this way
-ALWAYS_SAFE: tuple[Any, ...] = (io.BytesIO,)
-
-
-def check_object_item(read: ReadItem, chunk: memoryview, trusted: Sequence[Any]) -> None:
-    """Refuse a pickled non-tensor item that would run code when the planner loads it.
-
-    DCP's planners unpickle object items with ``torch.load(weights_only=False)``, which
-    calls whatever the pickle names. The bytes are first loaded here with torch's
-    weights-only unpickler (containers, numbers, strings, tensors, and ``trusted``); only
-    if that succeeds does the planner see them, so it can construct nothing else.
-
-    Raises:
-        UnsafeCheckpointError: the item references a global that is not allowed.
-        IntegrityError: the item is not a torch-serialized object.
-    """
-    try:
-        with torch.serialization.safe_globals([*ALWAYS_SAFE, *trusted]):
-            torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(chunk))
-        except Exception:  # noqa: BLE001 — naming them is a courtesy; the refusal stands
-            names = []
-        shown = ", ".join(sorted(set(names) - {_name_of(t) for t in (*ALWAYS_SAFE, *trusted)})[:5])
-        if not shown:  # refused for something other than a global it names
-            raise errors.UnsafeCheckpointError(
-                f"{describe(read)} is a pickled object that torch's weights-only unpickler "
-                "refuses without naming a class or function (an opcode or value it does not "
-                "allow): the item is damaged or crafted; refusing to unpickle it") from exc
-        raise errors.UnsafeCheckpointError(
-            f"{describe(read)} is a pickled object that references {shown}, which loading "
-            "would call: refused. If you trust this checkpoint and that class, pass it in "
-            "VolumeReader(..., safe_globals=[...]) (as torch.serialization.add_safe_globals "
-            "takes it)"
-        ) from exc
-    except Exception as exc:
-        raise errors.IntegrityError(
-            f"{describe(read)} is not a readable torch-serialized object "
-            f"({type(exc).__name__})") from exc
-
-
-def _name_of(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', obj)}"
-
-
-def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
-                trusted: Sequence[Any], *, decoded: bool = False,
-                dtype: torch.dtype | None = None) -> None:
-    """Deserialize one whole stored item exactly as torch's FileSystemReader does.
-    ``decoded``: the bytes were decoded from a stream transform, so one that is not a
-    readable tensor is damaged data (an ``IntegrityError``), not a format torch rejects."""
-    if read.type == LoadItemType.BYTE_IO:
-        check_object_item(read, chunk, trusted)
-        planner.load_bytes(read, io.BytesIO(chunk))
-        return
-    try:
-        tensor = torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        if not decoded:
-            raise
-        raise errors.IntegrityError(f"{describe(read)} does not decode to a readable tensor "
-                                    f"({type(exc).__name__}): the stored bytes are damaged"
-                                    ) from exc
-    if not isinstance(tensor, torch.Tensor):
-        raise errors.IntegrityError(f"{describe(read)} is stored as a tensor item but holds "
-                                    f"a {type(tensor).__name__}")
-    if dtype is not None and tensor.dtype != dtype:
-        raise errors.IntegrityError(
-            f"{describe(read)}: .metadata says dtype {dtype}, the stored item holds "
-            f"{tensor.dtype}: the checkpoint was damaged or crafted; refusing to load it")
-    _copy_into(read, narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths), planner)
-
-
-@dataclass(frozen=True)
-class DirectTarget:
-    """Where a need's raw tensor bytes land in its target: file bytes ``[start, end)`` are
-    ``view`` (the target's memory as bytes), so they can be written there as they arrive
-    (and ``planner.commit_tensor(read, target)`` called once all of them have)."""
-
-    read: ReadItem
-    target: torch.Tensor
-    view: torch.Tensor
-    start: int
-    end: int
-
-
-def direct_target(need: Need, planner: LoadPlanner) -> DirectTarget | None:
-    """The :class:`DirectTarget` of a block-read need with a single read whose elements are
-    one contiguous run both in the stored tensor and in a contiguous CPU target of the same
-    dtype and shape; None otherwise (the bytes then go through :func:`apply_need`)."""
-    entry = need.entry
-    if need.first_block is None or entry is None or entry.data_offset is None \
-            or len(need.reads) != 1:
-        return None
-    read = need.reads[0]
-    dtype = getattr(torch, entry.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        return None
-    first, stop = _element_span(read, _contiguous_strides(entry.shape))
-    count = math.prod(read.lengths)
-    if stop - first != count:
-        return None  # the read's elements are strided in the stored tensor
-    target = planner.resolve_tensor(read).detach()
-    if (target.device.type != "cpu" or target.dtype != dtype or not target.is_contiguous()
-            or tuple(target.size()) != tuple(read.lengths)):
-        return None
-    es = target.element_size()
-    start = need.item_offset + entry.data_offset + first * es
-    view = target.reshape(-1).view(torch.uint8)
-    return DirectTarget(read, target, view, start, start + count * es)
-
-
-def _copy_into(read: ReadItem, tensor: torch.Tensor, planner: LoadPlanner) -> None:
-    target = planner.resolve_tensor(read).detach()
-    if target.size() != tensor.size():
-        raise errors.IntegrityError(
-            f"{describe(read)}: stored shape {tuple(tensor.size())} does not match the target "
-            f"{tuple(target.size())}"
-        )
-    target.copy_(tensor)
-    planner.commit_tensor(read, target)

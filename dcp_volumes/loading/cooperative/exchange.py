@@ -13,24 +13,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from dcp_volumes import _dist, errors, tier
 from dcp_volumes.backends import Backend, CallStats
-from dcp_volumes.transfer.cooperative._plan import Assignment, Bundle, Piece
+from dcp_volumes.backends.versions import ObjectVersion
+from dcp_volumes.loading.apply import PlannerTarget
+from dcp_volumes.loading.cooperative.assign import Assignment, Bundle, Piece
+from dcp_volumes.loading.cooperative.peer import Held, Keep, PeerRound, RoundBytes, held
+from dcp_volumes.loading.needs import Need, describe, plan_ranges
+from dcp_volumes.loading.serve import serve
+from dcp_volumes.loading.sources import CannotServe, LocalTierSource, StoreSource
 from dcp_volumes.transfer.download import RangeRequest
-from dcp_volumes.transfer.readplan import (
-    DirectTarget,
-    Need,
-    apply_need,
-    check_need,
-    describe,
-    direct_target,
-    plan_ranges,
-)
-from dcp_volumes.transfer.serve import check_store, serve_local, serve_store
 
 __all__ = ["CooperativeRead", "ExchangeFigures"]
 
@@ -72,18 +67,6 @@ def _need_start(need: Need) -> tuple[str, int]:
     return need.relative, need.start
 
 
-@dataclass
-class _Round:
-    """One round's bytes on one rank."""
-
-    data: dict[int, memoryview] = field(default_factory=dict)  # fetched bundles (owned)
-    received: dict[int, memoryview] = field(default_factory=dict)  # bundles in own buffers
-    recv_into: dict[int, torch.Tensor] = field(default_factory=dict)  # where each arrives
-    direct: set[int] = field(default_factory=set)  # bundles received into their target
-    targets: dict[tuple[str, int], DirectTarget] = field(default_factory=dict)
-    need_bufs: dict[tuple[str, int], bytearray] = field(default_factory=dict)
-
-
 class CooperativeRead:
     """One rank's side of a cooperative load (see the module docstring).
 
@@ -100,13 +83,16 @@ class CooperativeRead:
         store: whether the store holds the save (False for a local-only save: a local copy
             that fails its check then fails the load instead of being fetched).
         sizes: the shard files' sizes from the checked manifest (no size lookups for them).
+        pins: the object versions every store read is conditional on (a source without
+            checksums), or None.
     """
 
     def __init__(self, assignment: Assignment, *, url: str, planner: LoadPlanner,
                  trusted: tuple[Any, ...], max_concurrency: int, part_size: int,
                  max_range_size: int, timeout_s: float,
                  local_files: dict[str, tier.LocalFile] | None = None,
-                 store: bool = True, sizes: Mapping[str, int] | None = None) -> None:
+                 store: bool = True, sizes: Mapping[str, int] | None = None,
+                 pins: Mapping[str, ObjectVersion] | None = None) -> None:
         self.a = assignment
         self.sizes = sizes
         self.url = url
@@ -118,22 +104,23 @@ class CooperativeRead:
         self.timeout_s = timeout_s
         self.local_files = local_files or {}
         self.store = store
+        self.pins = pins
+        self.target = PlannerTarget(planner, trusted)
         self.me = assignment.rank
         self.fig = ExchangeFigures(rounds=assignment.rounds)
         self.group: Any = None
         self._stop = threading.Event()
         # filled by run's set-up and _prepare
-        self.backend: Any = None
+        self.source: StoreSource | None = None
         self.needs: list[Need] = []
         self.need_of: dict[tuple[str, int], Need] = {}
         self.parts: dict[tuple[str, int], list[tuple[Piece, Bundle]]] = {}
-        self.owned: dict[int, list[Bundle]] = defaultdict(list)
+        self.owned: dict[int, list[Held]] = defaultdict(list)
         self.theirs: dict[int, list[Bundle]] = defaultdict(list)
         self.round_needs: dict[int, list[Need]] = defaultdict(list)
         self.ranges: dict[int, list[RangeRequest]] = {}
-        self.local_owned: dict[int, list[Bundle]] = defaultdict(list)
+        self.local_owned: dict[int, list[Held]] = defaultdict(list)
 
-    # ---- the whole load ---------------------------------------------------------------
     # ---- the whole load ---------------------------------------------------------------
     def run(self, backend: Backend | None, needs: list[Need], *,
             failed: BaseException | None = None) -> ExchangeFigures | None:
@@ -154,8 +141,8 @@ class CooperativeRead:
         code = _dist.OK
         if err is None:
             try:
-                self.backend, self.needs = backend, needs
-                self._prepare()
+                self.needs = needs
+                self._prepare(backend)
             except _Mismatch as exc:
                 logger.warning("rank %d: %s; every rank reads directly", self.me, exc)
                 code = _dist.FALLBACK
@@ -198,10 +185,10 @@ class CooperativeRead:
                 raise
         return pending
 
-    def _start(self, pool: ThreadPoolExecutor, rnd: int) -> tuple[_Round, Future[None]]:
+    def _start(self, pool: ThreadPoolExecutor, rnd: int) -> tuple[RoundBytes, Future[None]]:
         """Choose round ``rnd``'s destinations (here: the planner is not thread-safe) and
         start fetching its bundles."""
-        state = _Round()
+        state = RoundBytes()
         try:
             self._destinations(rnd, state)
         except Exception as exc:  # noqa: BLE001 — reported by _agree via the future
@@ -211,7 +198,7 @@ class CooperativeRead:
         return state, pool.submit(self._fetch, rnd, state)
 
     # ---- phases -------------------------------------------------------------------------
-    def _prepare(self) -> None:
+    def _prepare(self, backend: Backend | None) -> None:
         a = self.a
         mine = tuple(sorted((nd.relative, nd.start, nd.end) for nd in self.needs))
         if mine != a.needs:
@@ -225,14 +212,14 @@ class CooperativeRead:
                 if b.relative not in self.local_files:
                     raise _Mismatch(f"bundle {b.bid} is planned from a local copy of "
                                     f"{b.relative} this rank does not hold")
-                self.local_owned[b.round].append(b)
+                self.local_owned[b.round].append(held(b, self.need_of))
             else:
                 if not self.store:
                     raise errors.IntegrityError(
                         f"no rank holds a usable local copy of shard {b.relative} of the "
                         f"local-only save of {self.url}, and the store has none: it cannot "
                         "be loaded; load the newest durable checkpoint instead")
-                self.owned[b.round].append(b)
+                self.owned[b.round].append(held(b, self.need_of))
             for p in b.pieces:
                 key = (b.relative, p.item_offset)
                 if key not in self.need_of:
@@ -263,17 +250,19 @@ class CooperativeRead:
             # (and one GET each: a range longer than a part would be assembled, one more copy)
             self.ranges[rnd] = plan_ranges(owned, gap=0,
                                            max_size=min(self.part_size, self.max_range_size))
-        everything = [r for rs in self.ranges.values() for r in rs]
-        if everything:
-            check_store(self.backend, everything, self.url, self.sizes)
+        if backend is not None:
+            self.source = StoreSource(backend, self.url, max_concurrency=self.max_concurrency,
+                                      chunk_size=self.part_size, stats=self.fig.calls,
+                                      pins=self.pins, sizes=self.sizes)
+            self.source.check([r for rs in self.ranges.values() for r in rs])
 
-    def _destinations(self, rnd: int, st: _Round) -> None:
+    def _destinations(self, rnd: int, st: RoundBytes) -> None:
         """Where each byte this rank receives in round ``rnd`` goes: a tensor's raw bytes
         straight into its target where they map onto it one to one (no copy after), else a
         buffer per larger span or per bundle."""
         for need in self.round_needs.get(rnd, []):
             key = (need.relative, need.item_offset)
-            target = direct_target(need, self.planner)
+            target = self.target.direct(need)
             if target is not None:
                 st.targets[key] = target
             elif len(self.parts[key]) > 1:
@@ -293,67 +282,45 @@ class CooperativeRead:
                 st.received[b.bid] = memoryview(buf)
                 st.recv_into[b.bid] = _dist.uint8_tensor(buf)
 
-    def _check_bundle(self, b: Bundle, bview: memoryview) -> None:
-        for p in b.pieces:
-            need = self.need_of.get((b.relative, p.item_offset))
-            if need is not None:
-                span = Need(b.relative, p.start, p.end, need.item_offset, need.item_length,
-                            need.reads, need.entry, p.first_block)
-            else:  # an item this rank serves without needing it
-                span = Need(b.relative, p.start, p.end, p.item_offset, p.item_length, [],
-                            p.entry, p.first_block)
-            check_need(span, bview[p.start - b.start:p.end - b.start], self.url)
-
-    def _local_failed(self, b: Bundle, exc: BaseException) -> None:
+    def _local_failed(self, b: Bundle, why: CannotServe) -> None:
         """A local bundle that cannot be used: fetched from the store instead (or, where the
         store has no copy, the load fails)."""
         if not self.store:
             raise errors.IntegrityError(
                 f"rank {self.me}: the local copy of shard {b.relative} of the "
-                f"local-only save of {self.url} cannot be used ({exc}), and the store "
-                "has no copy: load the newest durable checkpoint instead") from exc
+                f"local-only save of {self.url} cannot be used ({why.why}), and the store "
+                "has no copy: load the newest durable checkpoint instead") from why.error
         logger.warning("rank %d: local copy of shard %s of %s is not used (%s); "
                        "fetching bytes %d..%d from the store", self.me, b.relative,
-                       self.url, exc, b.start, b.end)
+                       self.url, why.why, b.start, b.end)
         self.fig.local_fallbacks += len(b.pieces)
 
-    def _read_local(self, rnd: int, st: _Round) -> list[Bundle]:
-        """Read and check this rank's local bundles of round ``rnd``; those whose local copy
-        cannot be used are returned (for the store)."""
-
-        def keep(b: Bundle, bview: memoryview) -> None:
-            self.fig.bytes_from_local += len(bview)
-            st.data[b.bid] = bview
-
-        served = serve_local(
-            [RangeRequest(b.relative, b.start, b.end, [b]) for b in self.local_owned.get(rnd, [])],
-            lambda rng: tier.read_span(self.local_files[rng.relative], rng.start, rng.end),
-            check=self._check_bundle, apply=keep,
-            unreadable=lambda rng, exc: self._local_failed(rng.items[0], exc),
-            bad=self._local_failed, stop=self._stop)
-        return served.failed
-
-    def _fetch(self, rnd: int, st: _Round) -> None:
+    def _fetch(self, rnd: int, st: RoundBytes) -> None:
         """Read (local tier) or fetch (store) and check this rank's bundles of round
-        ``rnd``."""
+        ``rnd``; a local bundle that cannot be used is fetched from the store."""
+        keep = Keep(st)
+        local = serve(LocalTierSource(self.local_files, self.url),
+                      [RangeRequest(h.relative, h.start, h.end, [h])
+                       for h in self.local_owned.get(rnd, [])],
+                      keep, url=self.url, stop=self._stop)
+        self.fig.bytes_from_local += local.nbytes
+        for span, why in local.unserved:
+            self._local_failed(span.bundle, why)
         ranges = self.ranges.get(rnd, [])
-        failed = self._read_local(rnd, st)
-        if failed:
-            extra = plan_ranges(failed, gap=0,
+        if local.failed:
+            extra = plan_ranges(local.failed, gap=0,
                                 max_size=min(self.part_size, self.max_range_size))
-            check_store(self.backend, extra, self.url, self.sizes)
+            assert self.source is not None  # a store copy (self.store), so a backend
+            self.source.check(extra)
             ranges = ranges + extra
         self.fig.ranges += len(ranges)
+        if ranges:
+            assert self.source is not None
+            before = self.source.fetched
+            serve(self.source, ranges, keep, url=self.url, stop=self._stop, last=True)
+            self.fig.bytes_fetched += self.source.fetched - before
 
-        def keep(b: Bundle, bview: memoryview) -> None:
-            st.data[b.bid] = bview
-
-        self.fig.bytes_fetched += serve_store(
-            self.backend, ranges, url=self.url, check=self._check_bundle, apply=keep,
-            max_concurrency=self.max_concurrency, chunk_size=self.part_size,
-            stats=self.fig.calls, stop=self._stop)
-
-    def _exchange(self, rnd: int, st: _Round) -> None:
+    def _exchange(self, rnd: int, st: RoundBytes) -> None:
         """Send this rank's bundles to their consumers; receive the bundles it needs from
         their owners into the places :meth:`_destinations` chose."""
         works: list[Any] = []
@@ -375,7 +342,8 @@ class CooperativeRead:
                 works.append(dist.irecv(st.recv_into[b.bid], src=b.owner, group=self.group,
                                         tag=b.bid))
                 self.fig.bytes_from_peers += b.size
-            for b in [*self.owned.get(rnd, []), *self.local_owned.get(rnd, [])]:
+            for b in [h.bundle for h in (*self.owned.get(rnd, []),
+                                         *self.local_owned.get(rnd, []))]:
                 if not b.consumers or b.size == 0:
                     continue
                 t = _dist.uint8_tensor(st.data[b.bid])
@@ -388,37 +356,12 @@ class CooperativeRead:
         _dist.wait_all(works, start + self.timeout_s - time.monotonic(), fail)
         self.fig.wait_s += time.monotonic() - start
 
-    def _apply(self, rnd: int, st: _Round) -> None:
-        """Copy this round's items into the planner's targets."""
-        for need in sorted(self.round_needs.get(rnd, []), key=_need_start):
-            key = (need.relative, need.item_offset)
-            parts = self.parts[key]
-            target = st.targets.get(key)
-            if target is not None:
-                for p, b in parts:
-                    if b.bid in st.direct:
-                        continue  # received in place
-                    src = (st.data[b.bid] if b.owner == self.me else st.received[b.bid])
-                    lo, hi = max(p.start, target.start), min(p.end, target.end)
-                    if lo < hi:
-                        target.view[lo - target.start:hi - target.start].copy_(
-                            _dist.uint8_tensor(src[lo - b.start:hi - b.start]))
-                self.planner.commit_tensor(target.read, target.target)
-                continue
-            if key in st.need_bufs:
-                buf = st.need_bufs[key]
-                for p, b in parts:
-                    if b.owner == self.me:
-                        buf[p.start - need.start:p.end - need.start] = \
-                            st.data[b.bid][p.start - b.start:p.end - b.start]
-                chunk = memoryview(buf)
-            else:
-                p, b = parts[0]
-                view = st.data[b.bid] if b.owner == self.me else st.received[b.bid]
-                chunk = view[p.start - b.start:p.end - b.start]
-            apply_need(need, chunk, self.planner, self.trusted)
-
-    # ---- status -------------------------------------------------------------------------
+    def _apply(self, rnd: int, st: RoundBytes) -> None:
+        """Serve this round's items from the round's bytes (the peer source) into the
+        planner's targets."""
+        peer = PeerRound(st, self.parts, self.me)
+        needs = sorted(self.round_needs.get(rnd, []), key=_need_start)
+        serve(peer, peer.ranges(needs), self.target, url=self.url, last=True)
 
     # ---- status -------------------------------------------------------------------------
     def _agree(self, err: BaseException | None, code: int, step: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_volumes._manifest import ItemEntry
-from dcp_volumes.transfer.readplan import Need
+from dcp_volumes.loading.needs import Need
 
 __all__ = ["ROUND_BYTES", "Assignment", "Bundle", "LocalInfo", "Piece", "Summary", "assign",
            "local_info"]

@@ -32,13 +32,15 @@ owner checked them); bytes from the store or from a local tier always are, on th
 read them. A local copy that fails its check is fetched from the store by its owner instead
 (or, where there is no store copy — a local-only save — fails the load on every rank).
 
-The package: :mod:`._plan` is the coordinator's pure planner (``assign``), :mod:`._run` the
-runtime on every rank (``CooperativeRead``); the bytes move through
-:mod:`dcp_volumes.transfer.serve` as in a direct read, and the status steps and bounded waits
-are :mod:`dcp_volumes._dist`'s.
+The package: :mod:`.assign` is the coordinator's pure planner (``assign``), :mod:`.exchange`
+the runtime on every rank (``CooperativeRead``); the bytes move through
+:func:`dcp_volumes.loading.serve.serve` as in a direct read — from the local tier and the store
+for the bundles a rank owns, and from the peer (the bytes received in a round, not checked
+again) into the planner's targets — and the status steps and bounded waits are
+:mod:`dcp_volumes._dist`'s.
 """
 
-from dcp_volumes.transfer.cooperative._plan import (
+from dcp_volumes.loading.cooperative.assign import (
     ROUND_BYTES,
     Assignment,
     Bundle,
@@ -48,7 +50,7 @@ from dcp_volumes.transfer.cooperative._plan import (
     assign,
     local_info,
 )
-from dcp_volumes.transfer.cooperative._run import CooperativeRead, ExchangeFigures
+from dcp_volumes.loading.cooperative.exchange import CooperativeRead, ExchangeFigures
 
 __all__ = ["ROUND_BYTES", "Assignment", "Bundle", "CooperativeRead", "ExchangeFigures",
            "LocalInfo", "Piece", "Summary", "assign", "local_info"]
