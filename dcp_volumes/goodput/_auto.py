@@ -80,7 +80,8 @@ class AutopilotOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class MeasuredCosts:
-    """Medians of the run's newest samples (None: not measured yet)."""
+    """Medians of the run's newest samples (None: not measured yet). ``restart_s``: from a
+    process's start to training, plus what its first save blocks beyond a steady one."""
 
     durable_blocking_s: float | None
     durable_background_s: float
@@ -109,6 +110,11 @@ def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
         return ([s for s in saves if not s.first] or saves)[-window:]
 
     durable, local = newest("durable"), newest("local-only")
+    # what an incarnation's first save blocks beyond a steady one is paid once per restart
+    firsts = [s.blocking_s for s in record.saves if s.kind == "durable" and s.first][-window:]
+    steady = [s.blocking_s for s in durable if not s.first]
+    first_extra = (max(0.0, statistics.median(firsts) - statistics.median(steady))
+                   if firsts and steady else 0.0)
     restores = record.restores[-window:]
     by_source = {src: [r.restore_s for r in restores if r.source == src]
                  for src in ("local", "store")}
@@ -118,7 +124,7 @@ def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
         durable_background_s=_median([s.background_s for s in durable]) or 0.0,
         local_blocking_s=_median([s.blocking_s for s in local]),
         local_background_s=_median([s.background_s for s in local]) or 0.0,
-        restart_s=_median([r.start_to_train_s for r in restores]) or 0.0,
+        restart_s=(_median([r.start_to_train_s for r in restores]) or 0.0) + first_extra,
         local_restore_s=_median(by_source["local"]),
         store_restore_s=_median(by_source["store"]),
         # Beta(1, 1) prior: a half until resumes say otherwise

@@ -280,6 +280,7 @@ def test_an_incarnations_first_save_is_left_out_of_delta() -> None:
         r.add_save(SaveSample("durable", 10.0, 0.0, 1, T0, first=True))
         r.add_save(SaveSample("durable", 1.0, 0.0, 1, T0))
     assert measured_costs(r).durable_blocking_s == 1.0
+    assert measured_costs(r).restart_s == 9.0  # paid once per restart: part of R
     only_first = _costs(10.0)  # nothing else measured yet: the first saves are all there is
     only_first.saves = [SaveSample("durable", 10.0, 0.0, 1, T0, first=True)]
     assert measured_costs(only_first).durable_blocking_s == 10.0
