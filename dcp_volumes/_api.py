@@ -90,6 +90,17 @@ def load(
     ``no_dist=True`` loads in this process alone (DCP's ``no_dist``); other keywords go to
     :class:`~dcp_volumes.VolumeReader`. Returns the reader (``last_stats`` has the figures).
 
+    Args:
+        state_dict: loaded in place, as for ``dcp.load``.
+        path: checkpoint URL, or a reader (then pass no reader options).
+        storage_options: passed to fsspec unchanged; never logged.
+        process_group: DCP's process group (default: the default group).
+        planner: DCP's ``LoadPlanner`` (default: DCP's).
+        no_dist: load in this process alone (DCP's ``no_dist``).
+        safe_globals: as for :class:`~dcp_volumes.VolumeReader`.
+        **reader_options: the other keywords of :class:`~dcp_volumes.VolumeReader`
+            (``verify``, ``transfer``, ``cooperative``, ``extension_registry``, ...).
+
     Raises:
         ConfigError: a reader was passed together with reader options.
     """
@@ -124,6 +135,16 @@ def save(
 
     ``no_dist=True`` saves from this process alone (DCP's ``no_dist``); other keywords go to
     :class:`~dcp_volumes.VolumeWriter`. Returns the writer (``last_stats`` has the figures).
+
+    Args:
+        state_dict: what to save, as for ``dcp.save``.
+        path: checkpoint URL (``s3://``, ``gs://``, ``az://``, a local directory, ...).
+        storage_options: passed to fsspec unchanged; never logged.
+        process_group: DCP's process group (default: the default group).
+        planner: DCP's ``SavePlanner`` (default: DCP's).
+        no_dist: save from this process alone (DCP's ``no_dist``).
+        **writer_options: the other keywords of :class:`~dcp_volumes.VolumeWriter`
+            (``overwrite``, ``transfer``, ``retry``, ``spool``, ...).
     """
     writer = VolumeWriter(path, storage_options=storage_options, **writer_options)
     try:

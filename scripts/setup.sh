@@ -31,7 +31,7 @@ else
     "${VENV}/bin/pip" install --quiet --disable-pip-version-check "torch==2.13.0"
     # constraints.txt pins what the suite was last run with: fast, reproducible resolution.
     "${VENV}/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
-        -e ".[all,test,bench,integrations]"
+        -e ".[all,test,bench,integrations,docs]"
     # torchtitan without its dependencies: it pins datasets<4.8, which needs an fsspec older
     # than s3fs/gcsfs here, and its trainer-only ones (datasets, wandb, tensorboard) are not
     # on the checkpoint path the integration and its tests use; these are (installed first,

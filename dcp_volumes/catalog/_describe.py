@@ -137,6 +137,10 @@ def describe(
     Reads ``.metadata`` (allow-listed unpickling), the manifest if any, and lists the
     checkpoint once.
 
+    Args:
+        url: checkpoint URL.
+        storage_options: passed to fsspec unchanged; never logged.
+
     Raises:
         CheckpointNotFoundError: nothing is stored at ``url``.
         IncompleteCheckpointError: objects but no ``.metadata``.

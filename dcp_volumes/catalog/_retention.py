@@ -74,6 +74,11 @@ def remove(
     Refuses anything that does not look like one checkpoint (objects in sub-directories,
     e.g. a run root, or no DCP files at all), so a typo cannot wipe a run.
 
+    Args:
+        url: checkpoint URL.
+        storage_options: passed to fsspec unchanged; never logged.
+        dry_run: only list what would be removed.
+
     Returns:
         The URLs of the objects removed (or that would be, with ``dry_run``), ``.metadata``
         first.
@@ -156,6 +161,15 @@ def apply_retention(
 
     "Loads" is checked by reading ``.metadata`` and the manifest of the newest checkpoints
     until ``keep_last`` (at least one) of them load; older ones are not read.
+
+    Args:
+        root: run root holding one checkpoint per step.
+        keep_last: keep the newest this many checkpoints that load.
+        keep_every: keep every checkpoint whose step is a multiple of this.
+        storage_options: passed to fsspec unchanged; never logged.
+        step_pattern: how a checkpoint's name gives its step (default:
+            :data:`~dcp_volumes.catalog.DEFAULT_STEP_PATTERN`).
+        dry_run: only list what would be removed.
 
     Returns:
         URLs of the checkpoints removed (or that would be, with ``dry_run``), oldest first.

@@ -63,7 +63,13 @@ def _check_seconds(name: str, seconds: object) -> None:
 class SavePolicy:
     """The cadences of a :class:`~dcp_volumes.Checkpointer` (see its arguments).
 
-    ``clock``: monotonic seconds (tests and simulations pass their own).
+    Args:
+        every_steps: a durable save every this many steps.
+        every_seconds: a durable save every this many seconds.
+        local_every_steps: a local-only save every this many steps (needs a durable cadence).
+        local_every_seconds: a local-only save every this many seconds (likewise).
+        drain: wait for the previous durable save before starting the next.
+        clock: monotonic seconds (tests and simulations pass their own).
     """
 
     every_steps: int | None = None

@@ -177,8 +177,9 @@ def export_safetensors(
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: cast floating tensors to it.
         max_shard_size: the most tensor bytes per file (``"5GB"`` = 5 * 10**9, Hugging
             Face's default); a bigger tensor gets a file of its own.
-        storage_options: fsspec options of ``src``; ``dest_storage_options`` those of
-            ``dest`` (default: the same as ``src``'s). Never logged.
+        storage_options: fsspec options of ``src``. Never logged.
+        dest_storage_options: fsspec options of ``dest`` (default: the same as ``src``'s).
+            Never logged.
         transfer: concurrency and part sizes (default: ``TransferOptions(max_concurrency=8,
             part_size=8 * MiB)``; memory holds ``max_concurrency + 1`` upload parts).
         retry: retries of transient errors, both sides.

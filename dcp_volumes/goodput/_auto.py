@@ -41,7 +41,8 @@ class AutopilotOptions:
             them); ``None``: the conservative default of
             :func:`~dcp_volumes.goodput.default_prior` for the run's world size.
         prior_weight: How many observed interruptions the prior counts as.
-        min_interval_s, max_interval_s: Bounds on the seconds between durable saves.
+        min_interval_s: The fewest seconds between durable saves.
+        max_interval_s: The most seconds between durable saves.
         change_threshold: A new interval replaces the current one only when it differs by
             more than this share.
         window: How many of the newest saves and restores the medians use.
