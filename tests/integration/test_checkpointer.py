@@ -67,9 +67,11 @@ def test_should_save_policy(tmp_path, kwargs: dict[str, Any], due: list[int]) ->
 
 
 def test_should_save_every_seconds(tmp_path) -> None:
-    ckpt = Checkpointer(str(tmp_path / "run"), every_seconds=0.2)
+    # a fake clock: a real 0.2 s cadence failed under load (a descheduled thread is late)
+    now = [100.0]
+    ckpt = Checkpointer(str(tmp_path / "run"), every_seconds=0.2, clock=lambda: now[0])
     assert not ckpt.should_save(1)
-    time.sleep(0.25)
+    now[0] += 0.25
     assert ckpt.should_save(2)
     assert ckpt.save(2, state_at(2))
     assert not ckpt.should_save(2)  # just saved this step
