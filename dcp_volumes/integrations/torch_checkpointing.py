@@ -9,8 +9,6 @@ create; only committed files are read. Use :func:`manager_config`; see docs/inte
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import io
 import json
 import logging
@@ -33,6 +31,7 @@ from dcp_volumes import errors
 from dcp_volumes.backends import Backend, CallStats, open_backend, redact_url
 from dcp_volumes.backends.sink import Part
 from dcp_volumes.config import RetryOptions, TransferOptions
+from dcp_volumes.saving import PartStream, SpooledPart, Uploader
 
 __all__ = ["COMMIT_NAME", "VolumeStorage", "VolumeStorageConfig", "manager_config",
            "record_rank_files"]
@@ -440,16 +439,21 @@ class _RangeReader(io.RawIOBase):
 
 
 class _UploadStream(io.RawIOBase):
-    """A write stream into one new object through the backend's sink (multipart on S3, ...),
-    a few parts in flight; durable when ``close`` returns, aborted on error."""
+    """A write stream into one new object through the package's :class:`Uploader` (the
+    save's part uploads: adaptive concurrency, the backend's sink, multipart on S3, abort on
+    failure), at most ``parts_in_flight`` parts held in memory; durable when ``close``
+    returns, aborted on error."""
 
     def __init__(self, storage: VolumeStorage, rel: str, key: str) -> None:
         self._storage, self._rel, self._key = storage, rel, key
-        self._part_size, cfg = storage._config.part_size, storage._config
-        self._sink = storage.backend.make_sink(key, CallStats(), cfg.part_size)
-        self._limit = 1 if self._sink.ordered else cfg.parts_in_flight
+        cfg = storage._config
+        self._part_size = cfg.part_size
+        self._uploader = Uploader(storage.backend, part_size=cfg.part_size,
+                                  max_concurrency=cfg.parts_in_flight, stats=CallStats())
+        self._parts = PartStream()
+        self._slots = threading.BoundedSemaphore(cfg.parts_in_flight)
+        self._uploader.upload(key, self._parts)
         self._buf, self._offset, self._number, self._finished = bytearray(), 0, 0, False
-        self._pending: list[concurrent.futures.Future[None]] = []
 
     def writable(self) -> bool:
         return True
@@ -458,43 +462,35 @@ class _UploadStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         self._buf += view
         while len(self._buf) > self._part_size:  # the last part is sent by close
-            chunk = bytes(self._buf[:self._part_size])
+            chunk = self._buf[:self._part_size]
             del self._buf[:self._part_size]
             self._send(chunk, final=False)
         return len(view)
 
-    def _send(self, chunk: bytes, *, final: bool) -> None:
+    def _send(self, chunk: bytearray, *, final: bool) -> None:
         self._number += 1
         part = Part(self._number, self._offset, len(chunk), final, crc32c.crc32c(chunk))
         self._offset += len(chunk)
-        self._pending.append(asyncio.run_coroutine_threadsafe(
-            self._sink.put_part(part, chunk), self._storage.backend.loop))
-        while len(self._pending) >= self._limit:
-            self._pending.pop(0).result()
+        self._slots.acquire()  # released when the part is uploaded, or dropped on failure
+        self._parts.put(SpooledPart(part, buffer=chunk, release=self._slots.release))
 
     def close(self) -> None:
         if not self._finished and not self.closed:
             self._finished = True
             try:
-                self._send(bytes(self._buf), final=True)
-                while self._pending:
-                    self._pending.pop(0).result()
-                self._storage._run(lambda: self._sink.complete(self._number))
+                self._send(self._buf, final=True)
+                self._parts.end()
+                self._uploader.wait()
             except BaseException:
-                self._abort()
+                self._uploader.abort()
                 raise
             with self._storage._lock:
                 self._storage._written[self._rel] = (self._key, self._offset)
         super().close()
 
-    def _abort(self) -> None:
-        concurrent.futures.wait(self._pending)  # no part may land after the abort
-        self._pending = []
-        self._storage._run(self._sink.abort)
-
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc_type is not None and not self._finished:
             self._finished = True
-            self._abort()
+            self._uploader.abort()
         super().__exit__(exc_type, exc, tb)
