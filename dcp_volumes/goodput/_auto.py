@@ -85,6 +85,7 @@ class MeasuredCosts:
     process's start to training, plus what its first save blocks beyond a steady one."""
 
     durable_blocking_s: float | None
+    steady_saves: int
     durable_background_s: float
     local_blocking_s: float | None
     local_background_s: float
@@ -122,6 +123,7 @@ def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
     from_local = len(by_source["local"])
     return MeasuredCosts(
         durable_blocking_s=_median([s.blocking_s for s in durable]),
+        steady_saves=len(steady),
         durable_background_s=_median([s.background_s for s in durable]) or 0.0,
         local_blocking_s=_median([s.blocking_s for s in local]),
         local_background_s=_median([s.background_s for s in local]) or 0.0,
@@ -177,13 +179,16 @@ def choose_interval(costs: MeasuredCosts, estimate: FailureEstimate, options: Au
     """The cadences for ``costs`` and ``estimate`` (before smoothing)."""
     m = estimate.mttf_s
     delta = costs.durable_blocking_s
-    if delta is None:
+    if delta is None or costs.steady_saves == 0:
+        # a run's first save also pays one-time setup: its δ is not the one to plan by
         every = min(max(options.initial_interval_s, options.min_interval_s),
                     options.max_interval_s)
         return AutoInterval(every_s=every, local_every_s=None, work_s=every, delta_s=None,
                             upload_s=0.0, restart_s=costs.restart_s, mttf_s=m,
                             formula="none yet", predicted_goodput=None,
-                            reason="no save measured yet: the first save measures δ")
+                            reason=("no save measured yet: the next two measure δ"
+                                    if delta is None else "only a first save measured (it "
+                                    "pays one-time setup): the next one measures δ"))
     delta = max(delta, 1e-3)
     upload = costs.durable_background_s
     floor = QUEUE_MARGIN * (delta + upload)

@@ -293,3 +293,16 @@ def test_started_at_checked() -> None:
     assert AutopilotOptions(started_at=T0).started_at == T0
     with pytest.raises(ConfigError):
         AutopilotOptions(started_at=-1.0)
+
+
+def test_a_cold_first_save_alone_does_not_set_the_interval() -> None:
+    # the run's first save pays one-time setup: the interval waits for a steady one
+    est = estimate_failures(FailurePrior(mttf_s=3600.0), interruptions=0, exposure_s=0.0)
+    r = RunRecord(root=ROOT)
+    r.add_save(SaveSample("durable", 4.0, 0.0, 1, T0, first=True))
+    boot = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=False)
+    assert boot.every_s == 1.0 and boot.delta_s is None and "first save" in boot.reason
+    r.add_save(SaveSample("durable", 1.0, 0.0, 1, T0))
+    got = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=False)
+    assert got.delta_s == 1.0
+    assert got.every_s == pytest.approx(math.sqrt(2 * 1.0 * 3600) + 1.0)
