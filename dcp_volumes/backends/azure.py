@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 from dcp_volumes.backends.base import Backend, CallStats
 from dcp_volumes.backends.sink import Part, Sink
+from dcp_volumes.backends.translate import status_and_code
+from dcp_volumes.backends.versions import ObjectVersion, changed
 
 __all__ = ["AzureBackend", "AzureSink"]
 
@@ -43,6 +45,25 @@ class AzureBackend(Backend):
         length = None if end is None else end - (start or 0)
         stream = await self.blob_client(relative).download_blob(offset=start, length=length,
                                                                 retry_total=0)
+        return await stream.readall()  # type: ignore[no-any-return]
+
+    # ---- reads pinned to a version (backends.versions): If-Match on the ETag ----------
+    conditional_reads = True
+
+    async def _get_pinned(self, relative: str, pin: ObjectVersion, start: int,
+                          end: int) -> bytes:
+        if pin.tag is None or end <= start:
+            return await super()._get_pinned(relative, pin, start, end)
+        from azure.core import MatchConditions
+
+        try:
+            stream = await self.blob_client(relative).download_blob(
+                offset=start, length=end - start, etag=pin.tag,
+                match_condition=MatchConditions.IfNotModified, retry_total=0)
+        except Exception as exc:
+            if status_and_code(exc)[0] == 412:
+                raise changed(self.object_url(relative), pin, None) from exc
+            raise
         return await stream.readall()  # type: ignore[no-any-return]
 
     async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from dcp_volumes.backends.base import Backend, CallStats
 from dcp_volumes.backends.sink import Sink, StreamSink
+from dcp_volumes.backends.versions import ObjectVersion, changed
 
 __all__ = ["GCSBackend"]
 
@@ -35,3 +36,18 @@ class GCSBackend(Backend):
 
     def make_sink(self, relative: str, stats: CallStats, part_size: int) -> Sink:
         return _GCSStreamSink(self, relative, stats, part_size)
+
+    # ---- reads pinned to a version (backends.versions): the object's generation --------
+    conditional_reads = True
+
+    async def _get_pinned(self, relative: str, pin: ObjectVersion, start: int,
+                          end: int) -> bytes:
+        if pin.tag is None or end <= start:
+            return await super()._get_pinned(relative, pin, start, end)
+        # a read of that generation: gone (another generation replaced it) is a 404
+        try:
+            data = await self.fs._cat_file_sequential(self.path(relative), start=start,
+                                                      end=end, generation=pin.tag)
+        except FileNotFoundError as exc:
+            raise changed(self.object_url(relative), pin, None) from exc
+        return data  # type: ignore[no-any-return]

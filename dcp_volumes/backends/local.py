@@ -14,6 +14,7 @@ from typing import Any
 from dcp_volumes import errors
 from dcp_volumes.backends.base import Backend, CallStats, never_retry
 from dcp_volumes.backends.sink import Part, Sink
+from dcp_volumes.backends.versions import ObjectVersion, file_version, read_pinned
 
 __all__ = ["LocalBackend", "LocalSink"]
 
@@ -51,6 +52,20 @@ class LocalBackend(Backend):
         if os.path.lexists(self.path(relative)):
             self.confined(relative)
         return await super().info(relative, stats=stats)
+
+    # ---- reads pinned to a version (backends.versions): fstat of the open file ----------
+    conditional_reads = True
+
+    async def _pin(self, relative: str) -> ObjectVersion:
+        info = os.stat(self.confined(relative))
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(f"{relative} of {self.url}", _kind(info.st_mode))
+        return file_version(info)
+
+    async def _get_pinned(self, relative: str, pin: ObjectVersion, start: int,
+                          end: int) -> bytes:
+        return await asyncio.to_thread(read_pinned, self.confined(relative), pin, start, end,
+                                       self.object_url(relative))
 
     async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:
         os.makedirs(os.path.dirname(self.path(relative)), exist_ok=True)

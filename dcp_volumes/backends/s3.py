@@ -22,6 +22,8 @@ import crc32c
 from dcp_volumes import errors
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
 from dcp_volumes.backends.sink import Part, Sink
+from dcp_volumes.backends.translate import status_and_code
+from dcp_volumes.backends.versions import ObjectVersion, changed
 
 __all__ = ["PartBody", "S3Backend", "S3Sink", "s3_checksum"]
 
@@ -91,6 +93,31 @@ class S3Backend(Backend):
             kwargs["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
         s3 = await self.client()
         resp = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
+        async with resp["Body"] as body:
+            return await body.read()  # type: ignore[no-any-return]
+
+    # ---- reads pinned to a version (backends.versions): If-Match on the ETag ----------
+    conditional_reads = True
+
+    async def _pin(self, relative: str) -> ObjectVersion:
+        bucket, key, _ = self.fs.split_path(self.path(relative))
+        s3 = await self.client()
+        head = await s3.head_object(Bucket=bucket, Key=key)
+        return ObjectVersion(int(head["ContentLength"]), head.get("ETag"))
+
+    async def _get_pinned(self, relative: str, pin: ObjectVersion, start: int,
+                          end: int) -> bytes:
+        if pin.tag is None or end <= start:
+            return await super()._get_pinned(relative, pin, start, end)
+        bucket, key, _ = self.fs.split_path(self.path(relative))
+        s3 = await self.client()
+        try:
+            resp = await s3.get_object(Bucket=bucket, Key=key, IfMatch=pin.tag,
+                                       Range=f"bytes={start}-{end - 1}")
+        except Exception as exc:
+            if status_and_code(exc)[0] == 412 or status_and_code(exc)[1] == "PreconditionFailed":
+                raise changed(self.object_url(relative), pin, None) from exc
+            raise
         async with resp["Body"] as body:
             return await body.read()  # type: ignore[no-any-return]
 
