@@ -182,7 +182,9 @@ class Checkpointer:
 
     def _init_state(self, run_id: str | None) -> None:
         # one writer per kind of save (the staging buffers belong to the process: shared)
-        self._writers: dict[bool, VolumeWriter] = {}
+        self._writers: dict[tuple[bool, bool], VolumeWriter] = {}  # (local_only, overwrite)
+        #: URLs skipped as damaged at resume: the run's next save of each replaces it
+        self._damaged: set[str] = set()
         #: this rank's :class:`~dcp_volumes.LoadStats` of the last :meth:`load_latest`
         self.last_load_stats: LoadStats | None = None
         self._pending: Pending | None = None
@@ -303,7 +305,7 @@ class Checkpointer:
         if not local:  # the root is this run's (taken at the first durable save)
             self._run.claim()
         url = self.url_for(step)
-        writer = self._writer(url, local)
+        writer = self._writer(url, local, replace=url in self._damaged)
         self._marks.saved(step, self.policy.clock(), durable=not local)
         started = time.monotonic()
         if not self.async_save:
@@ -339,15 +341,21 @@ class Checkpointer:
                 local_only = kind == "local-only" and not (self.drain and self._upload_idle())
         return "local-only" if local_only else "durable"
 
-    def _writer(self, url: str, local_only: bool) -> VolumeWriter:
-        """The writer of this kind of save (one per kind, kept across saves)."""
-        if local_only not in self._writers:
-            self._writers[local_only] = VolumeWriter(
-                url, storage_options=self.storage_options, overwrite=self.overwrite,
+    def _writer(self, url: str, local_only: bool, *, replace: bool = False) -> VolumeWriter:
+        """The writer of this kind of save (one per kind, kept across saves). ``replace``:
+        the step's checkpoint was skipped as damaged at resume, so this save overwrites it."""
+        overwrite = self.overwrite or (replace and not local_only)
+        if overwrite and not self.overwrite:
+            logger.warning("the checkpoint at %s was skipped as damaged when this run resumed: "
+                           "this save replaces it", redact_url(url))
+        key = (local_only, overwrite)
+        if key not in self._writers:
+            self._writers[key] = VolumeWriter(
+                url, storage_options=self.storage_options, overwrite=overwrite,
                 spool=self.spool, transfer=self.transfer, retry=self.retry,
                 local_tier=self.local_tier, local_only=local_only,
             )
-        return self._writers[local_only]
+        return self._writers[key]
 
     def _settle_save(self, writer: VolumeWriter, step: int, url: str,
                      group: dist.ProcessGroup | None) -> None:
@@ -364,6 +372,7 @@ class Checkpointer:
                                "completed in the local tier: it will not be used",
                                self._rank, step)
             return
+        self._damaged.discard(url)
         if writer.last_commit is not None:  # the coordinator: the next local-only save's base
             self._base, self._base_known = writer.last_commit, True
         self._after_commit(step, url)
@@ -431,6 +440,7 @@ class Checkpointer:
         if restored is None:
             return None
         self.last_load_stats = restored.stats
+        self._damaged = set(restored.damaged)
         self._marks.reset(self.policy.clock(), restored.step)
         self._autopilot.resumed(started, restored.step, restored.stats, restored.local_only)
         return restored.step

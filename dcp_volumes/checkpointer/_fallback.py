@@ -64,13 +64,17 @@ def candidates(root: str, *, storage_options: dict[str, Any] | None = None,
 
 def load_newest(found: Iterator[catalog.CheckpointInfo],
                 load: Callable[[catalog.CheckpointInfo], T], *,
-                while_loading: Callable[[], bool] = lambda: True
+                while_loading: Callable[[], bool] = lambda: True,
+                skipped: list[catalog.CheckpointInfo] | None = None,
                 ) -> tuple[catalog.CheckpointInfo, T] | None:
     """``load`` the first of ``found`` whose data verifies: ``(its info, what load
     returned)``, or None when ``found`` is empty. Every rank must see the same ``found``
     and call this together (``load`` is collective). ``while_loading()`` says whether an
     IntegrityError came from the checkpoint's load (a ``load`` that goes on to train after
     loading says False once it has loaded: a later error is raised, never retried).
+    ``skipped`` gets each damaged checkpoint passed over: it is still *complete* (its
+    ``.metadata`` and manifest are sound), so the run's next save of that step must replace
+    it (``overwrite``) rather than be refused as existing.
 
     Raises:
         IntegrityError: no candidate verified (the newest one's error).
@@ -88,6 +92,8 @@ def load_newest(found: Iterator[catalog.CheckpointInfo],
                            "shows what is damaged", redact_url(info.url), info.step, exc,
                            redact_url(info.url))
             first_error = first_error or exc
+            if skipped is not None:
+                skipped.append(info)
     if first_error is not None:
         raise first_error
     return None

@@ -38,6 +38,8 @@ class Restored:
     base: DurableBase | None
     stats: LoadStats | None
     local_only: bool = False
+    #: URLs of newer checkpoints skipped as damaged (complete, but their data did not verify)
+    damaged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,15 @@ class Restorer:
             return Restored(step, base, self._load(state_dict, url, commit), local_only=True)
         if info is None:
             return None
+        skipped: list[catalog.CheckpointInfo] = []
         loaded = load_newest(itertools.chain([info], found),
-                             lambda i: self._load(state_dict, i.url, None))
+                             lambda i: self._load(state_dict, i.url, None), skipped=skipped)
         assert loaded is not None  # found was not empty
         info, stats = loaded
         base = None
         if self.local_tier is not None and self.rank == 0:
             base = self.identity(info.url)
-        return Restored(info.step, base, stats)
+        return Restored(info.step, base, stats, damaged=tuple(i.url for i in skipped))
 
     def url_for(self, step: int) -> str:
         return f"{self.root}/{self.step_format.format(step=step)}"

@@ -139,6 +139,8 @@ class VolumeCheckpointManager(CheckpointManager):
         self.overwrite = config.overwrite
         self.verify = config.verify
         self.spool = SpoolOptions(mode=config.spool_mode, directory=config.spool_dir or None)
+        #: step URLs skipped as damaged at resume: the next save of each replaces it
+        self._damaged: set[str] = set()
         self._list_group = self.pg if self.pg is not None else _listing_group()
         if self.purge_thread is not None:
             # torchtitan's purge thread removes step directories by name, recursively: put
@@ -153,8 +155,14 @@ class VolumeCheckpointManager(CheckpointManager):
     # saving and loading: the same DCP calls as torchtitan's, with our writer and reader
 
     def _writer(self, checkpoint_id: str) -> VolumeWriter:
+        # a step skipped as damaged at resume is still complete: its next save replaces it
+        replace = checkpoint_id in self._damaged
+        if replace and not self.overwrite:
+            logger.warning("%s was skipped as damaged when this run resumed: this save "
+                           "replaces it", redact_url(checkpoint_id))
+        self._damaged.discard(checkpoint_id)
         return VolumeWriter(checkpoint_id, storage_options=self.storage_options,
-                            overwrite=self.overwrite, spool=self.spool)
+                            overwrite=self.overwrite or replace, spool=self.spool)
 
     @torch.no_grad()
     def dcp_save(
@@ -230,7 +238,11 @@ class VolumeCheckpointManager(CheckpointManager):
                                        step_pattern=STEP_PATTERN,
                                        process_group=self._list_group)
                  if i.step is not None)
-        if load_newest(found, lambda info: self._load_step(int(info.step or 0))) is not None:
+        skipped: list[Any] = []
+        loaded = load_newest(found, lambda info: self._load_step(int(info.step or 0)),
+                             skipped=skipped)
+        self._damaged = {self._create_checkpoint_id(int(i.step)) for i in skipped}
+        if loaded is not None:
             return True
         if self.initial_load_path or self.initial_load_in_hf:
             return bool(super()._load(step))

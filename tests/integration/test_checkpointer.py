@@ -167,13 +167,22 @@ def test_resume_skips_a_damaged_newest_checkpoint(where: tuple[str, dict[str, An
     flip_a_byte(f"{root}/step-00000003", options)
     assert catalog.latest(root, storage_options=options).step == 3  # cheap: still complete
     target = state_at(0)
+    resumed = Checkpointer(root, storage_options=options)
     with caplog.at_level("WARNING", logger="dcp_volumes"):
-        assert Checkpointer(root, storage_options=options).load_latest(target) == 2
+        assert resumed.load_latest(target) == 2
     assert torch.equal(target["w"], state_at(2)["w"]) and target["extra"]["step"] == 2
     skipped = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("step-00000003" in m and "damaged" in m and "checksum" in m.lower()
                for m in skipped), skipped
+    # the run reaches step 3 again: its save replaces the damaged one (it was refused as
+    # "Checkpoint already exists" on every retry: complete, but skipped at resume)
+    assert resumed.save(3, state_at(33), force=True)
+    resumed.close()
+    again = state_at(0)
+    assert Checkpointer(root, storage_options=options).load_latest(again) == 3
+    assert torch.equal(again["w"], state_at(33)["w"]) and again["extra"]["step"] == 33
     # nothing verifies: the newest one's error, typed
+    flip_a_byte(f"{root}/step-00000003", options)
     flip_a_byte(f"{root}/step-00000002", options)
     flip_a_byte(f"{root}/step-00000001", options)
     with pytest.raises(errors.IntegrityError, match="step-00000003"):
