@@ -111,8 +111,10 @@ def run_once(args: argparse.Namespace, cfg: dict[str, Any], seed: int, store: di
     start = time.monotonic()
     end = start + budget
     kills, launches = 0, []
+    offsets = []  # wall clock − monotonic clock: a wall-clock step (NTP, a paused VM) moves it
     while time.monotonic() < end:
         launches.append(time.time())
+        offsets.append(time.time() - time.monotonic())
         procs = spares.launch(job)
         fail_at = time.monotonic() + (rng.expovariate(1.0 / mttf) if mttf else math.inf)
         while time.monotonic() < min(fail_at, end):
@@ -122,16 +124,21 @@ def run_once(args: argparse.Namespace, cfg: dict[str, Any], seed: int, store: di
         _kill(procs)
         if time.monotonic() < end:
             kills += 1
-    wall, ended = time.monotonic() - start, time.time()
+    wall = time.monotonic() - start
+    offsets.append(time.time() - time.monotonic())
     step = 0
     if os.path.exists(files["progress"]):
         with open(files["progress"], "rb") as f:
             step = int.from_bytes(f.read(8) or b"\0", "little")
     m = _measured(files["events"], launches)
     # from the job's first start of training (its first launch is no failure's cost), each
-    # step counted at the step time measured here (a sleep overshoots on a loaded machine)
-    trained_wall = ended - m.pop("first_trained") if m["first_trained"] else None
+    # step counted at the step time measured here (a sleep overshoots on a loaded machine);
+    # the ranks stamp events with the wall clock, taken onto the monotonic clock of ``wall``
+    # at the first launch's offset, so a wall-clock step during the run is not counted as time
+    first = m.pop("first_trained")
+    trained_wall = start + wall - (first - offsets[0]) if first else None
     return {"config": cfg["name"], "every": cfg["every"], "seed": seed, "wall_s": wall,
+            "clock_step_s": max(offsets) - min(offsets),
             "events_file": files["events"],
             "final_step": step, "failures": kills, "goodput_stated": step * args.step_time / wall,
             "trained_wall_s": trained_wall,
@@ -148,6 +155,7 @@ def _measured(events_path: str, launches: list[float]) -> dict[str, Any]:
     # each incarnation's first save also pays one-time setup (as the autopilot counts δ)
     saves = [b["blocking_s"] for a, b in itertools.pairwise(events)
              if b["ev"] == "save" and a["ev"] == "save"]
+    steady = len(saves)  # the report pools δ over runs that measured a steady save
     saves = saves or [e["blocking_s"] for e in events if e["ev"] == "save"]
     trained = [e["t"] for e in events if e["ev"] == "trained"]
     restarts = []
@@ -165,7 +173,7 @@ def _measured(events_path: str, launches: list[float]) -> dict[str, Any]:
             gaps.append(b["t"] - a["t"])
     intervals = [e["every"] for e in events if e["ev"] == "interval"]
     delta = statistics.median(saves) if saves else None
-    return {"delta_s": delta, "saves": len(saves),
+    return {"delta_s": delta, "saves": len(saves), "steady_saves": steady,
             "first_save_extra_s": _first_save_extra(events, delta),
             "step_s": step_s, "first_trained": min(trained) if trained else None,
             "restart_s": statistics.median(restarts) if restarts else None,
