@@ -39,7 +39,8 @@ TEST_DEPS=(fsspec crc32c numpy pytest pytest-timeout pytest-xdist psutil "setupt
 # never touch torch (goodput, error translation, read planning, ...) and test_distributed.py,
 # whose 2-rank saves the conformance suite repeats. no_servers_plugin deselects what in these
 # needs an object-store server.
-CORE_TESTS=(test_local.py test_core_local.py test_untrusted_reads.py test_lifecycle_safety.py
+CORE_TESTS=(test_local.py test_core_local.py test_untrusted_reads.py test_url_checks.py
+            test_typed_failures.py test_spool_failures.py test_lifecycle_safety.py
             test_catalog.py test_checkpointer.py test_cli.py test_plan_caching.py)
 
 check_bound() {

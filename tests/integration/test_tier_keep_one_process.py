@@ -1,6 +1,7 @@
+# was tests/integration/test_local_tier_saves.py (renamed by subject, issue 24)
 """The local tier end to end on a local-filesystem checkpoint (one process, no process
 group, no server): full saves and loads, and the reader's choice of source. Moved from
-``tests/unit/test_local_tier_options.py`` (unit tests make no full save)."""
+``tests/unit/test_tier_options.py`` (unit tests make no full save)."""
 
 from __future__ import annotations
 

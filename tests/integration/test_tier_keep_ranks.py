@@ -1,3 +1,4 @@
+# was tests/integration/test_local_tier.py (renamed by subject, issue 24)
 """The local tier on a real store (SeaweedFS over S3) and real ranks (gloo on 127.0.0.1).
 
 "Nodes" are ranks with separate tier directories (``<tiers>/node<rank>``); a node whose

@@ -1,3 +1,4 @@
+# was tests/integration/test_local_only_lineage.py (renamed by subject, issue 24)
 """Issue 18 #1 and #2 at the Checkpointer: a local-only save is used at restore only as a
 verified continuation of the newest durable checkpoint, and a malformed descriptor spoils
 one save, never a restart. One process, a local-directory store; the store and the tiers

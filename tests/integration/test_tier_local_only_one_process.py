@@ -1,5 +1,6 @@
+# was tests/integration/test_local_only_saves.py (renamed by subject, issue 24)
 """Local-only saves on one process (no server: a local-directory root): save, resume,
-fallback, async, a tier too small. Moved from ``tests/unit/test_local_only_plan.py``
+fallback, async, a tier too small. Moved from ``tests/unit/test_cooperative_plan_holders.py``
 (unit tests make no full save), with the checks of ``save(..., local_only=)``."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# was tests/integration/test_local_only.py (renamed by subject, issue 24)
 """Local-only saves and restores from the nearest complete copy, on a real store (SeaweedFS
 over S3) and real ranks (gloo on 127.0.0.1).
 

@@ -1,5 +1,6 @@
+# was tests/unit/test_local_only_plan.py (renamed by subject, issue 24)
 """Owners that serve local copies (the cooperative plan); local-only saves themselves, and
-the checks of ``save(..., local_only=)``, are in ``tests/integration/test_local_only_saves.py``."""
+the checks of ``save(..., local_only=)``, are in ``tests/integration/test_tier_local_only_one_process.py``."""
 
 from __future__ import annotations
 

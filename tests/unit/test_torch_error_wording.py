@@ -1,3 +1,4 @@
+# was tests/unit/test_torch_test_wording.py (renamed by subject, issue 24)
 """What users' existing DCP tests match on still matches with dcp_volumes swapped in
 (issue 26, "drop-in where users already have tests")."""
 
