@@ -4,12 +4,11 @@ A save is committed when its ``.metadata`` exists: the coordinator writes the in
 manifest (named after the save id), then ``.metadata`` **last**, in one atomic operation
 (a conditional create unless ``overwrite``). With ``overwrite`` the objects of the save
 being replaced are listed before the commit and removed after it, never before. Readers
-read the committed save through :func:`read_committed`, which tells "nothing here" from
-"a save that never committed" and unpickles nothing but torch's ``Metadata``.
+read the committed save through :func:`dcp_volumes._commit_read.read_committed`.
 
 Just before the commit the coordinator checks that every object the manifest names is in
 the store at the size written (:func:`check_durable`); while a save runs its live record
-(:func:`mark_live`, :class:`Heartbeat`, :func:`end_live`) tells gc to leave it alone.
+(:mod:`dcp_volumes._live`) tells gc to leave it alone.
 
 Writer, reader, catalog and gc call these functions; none of them re-implements a step.
 """
@@ -17,217 +16,30 @@ Writer, reader, catalog and gc call these functions; none of them re-implements 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
-import time
-from dataclasses import dataclass
-
-from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._manifest import (
-    Manifest,
-    load_metadata,
-    metadata_save_id,
-    volume_save_id,
+from dcp_volumes._commit_read import (
+    METADATA,
+    is_committed_by,
+    metadata_version,
+    objects_of_current_save,
+    read_metadata_bytes,
 )
+from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
 __all__ = [
-    "Committed",
-    "Heartbeat",
     "check_durable",
     "commit",
-    "end_live",
-    "is_committed_by",
-    "mark_live",
-    "metadata_version",
-    "objects_of",
-    "objects_of_current_save",
-    "parse_manifest",
-    "read_committed",
-    "read_manifest",
-    "read_manifest_bytes",
-    "read_metadata_bytes",
+    "missing_objects",
     "remove_quietly",
+    "remove_superseded",
 ]
 
 logger = logging.getLogger(__name__)
 
-METADATA = _layout.METADATA
-#: the largest ``.metadata`` read (a million items take ~300 MiB): bounds what a crafted or
-#: damaged checkpoint can make a reader allocate
-MAX_METADATA_BYTES = 1 << 30
-#: likewise for the integrity manifest
-MAX_MANIFEST_BYTES = 1 << 30
 
-
-@dataclass
-class Committed:
-    """The save a checkpoint's ``.metadata`` commits.
-
-    Attributes:
-        metadata: the unpickled (allow-listed) torch ``Metadata``.
-        save_id: ``storage_meta.save_id`` (``None`` for checkpoints torch wrote).
-        ours: VolumeWriter wrote it, so a manifest must exist.
-        manifest: the integrity manifest (``None`` when not ours or not read).
-    """
-
-    metadata: Metadata
-    save_id: str | None
-    ours: bool
-    manifest: Manifest | None
-
-
-# --------------------------------------------------------------------------------------
-# Reading the committed save
-# --------------------------------------------------------------------------------------
-async def read_metadata_bytes(backend: Backend, stats: CallStats | None = None) -> bytes:
-    """``.metadata``'s bytes.
-
-    Raises:
-        CheckpointNotFoundError: nothing is stored at the URL.
-        IncompleteCheckpointError: objects exist but ``.metadata`` does not.
-    """
-    size = await backend.size(METADATA, stats=stats)
-    if size is not None:
-        if size > MAX_METADATA_BYTES:
-            raise errors.UnsafeCheckpointError(
-                f"{redact_url(backend.object_url(METADATA))} is {size} bytes, over the "
-                f"{MAX_METADATA_BYTES >> 20} MiB a .metadata may have: refusing to read it "
-                "(the checkpoint is damaged or crafted)")
-        try:
-            return await backend.cat(METADATA, op="read", stats=stats)
-        except errors.ObjectNotFoundError:
-            pass  # removed between the two calls: an overwrite or rm is under way
-    names = await backend.list_names()
-    where = redact_url(backend.url)
-    if not names and backend.lists_stale_uploads:
-        # A save killed before any shard completed leaves only invisible multipart uploads.
-        names = [u.key for u in await backend.stale_uploads(0.0, time.time())]
-    if names:
-        shown = ", ".join(sorted(names)[:3])
-        raise errors.IncompleteCheckpointError(
-            f"{where} has {len(names)} objects ({shown}, ...) but no .metadata: the save that "
-            "wrote them did not commit (interrupted or still running). Load an earlier "
-            "checkpoint; `dcp-volumes gc` removes leftovers"
-        )
-    raise errors.CheckpointNotFoundError(
-        f"no checkpoint at {where}: check the URL and storage_options")
-
-
-async def read_manifest(backend: Backend, metadata: Metadata,
-                        stats: CallStats | None = None) -> Manifest | None:
-    """The manifest of the save ``metadata`` commits; ``None`` for torch-written checkpoints.
-
-    Raises:
-        IntegrityError: VolumeWriter wrote the checkpoint but its manifest is missing,
-            unreadable, or belongs to another save.
-    """
-    save_id = volume_save_id(metadata)
-    if save_id is None:
-        return None
-    data = await read_manifest_bytes(backend, save_id, stats)
-    return parse_manifest(data, save_id=save_id, where=backend.object_url(
-        _layout.manifest_name(save_id)))
-
-
-async def read_manifest_bytes(backend: Backend, save_id: str,
-                              stats: CallStats | None = None) -> bytes:
-    """The bytes of save ``save_id``'s manifest, bounded by :data:`MAX_MANIFEST_BYTES`.
-
-    Raises:
-        IntegrityError: the manifest is missing.
-        UnsafeCheckpointError: it is larger than a manifest may be.
-    """
-    name = _layout.manifest_name(save_id)
-    try:
-        size = await backend.size(name, stats=stats)
-        if size is not None and size > MAX_MANIFEST_BYTES:
-            raise errors.UnsafeCheckpointError(
-                f"manifest {name} of {redact_url(backend.url)} is {size} bytes, over the "
-                f"{MAX_MANIFEST_BYTES >> 20} MiB a manifest may have: refusing to read it")
-        return await backend.cat(name, op="read", stats=stats)
-    except errors.ObjectNotFoundError:
-        raise errors.IntegrityError(
-            f"{redact_url(backend.url)} was written by VolumeWriter but its manifest {name} is "
-            "missing: the checkpoint was modified or replaced while it was read; load it again, "
-            "or an earlier checkpoint"
-        ) from None
-
-
-def parse_manifest(data: bytes, *, save_id: str, where: str) -> Manifest:
-    """Parse (untrusted) manifest bytes and check that they belong to save ``save_id``.
-
-    Raises:
-        IntegrityError: the bytes are not a valid manifest, or one of another save.
-    """
-    manifest = Manifest.from_json(data, where=where)
-    if manifest.save_id != save_id:
-        name = _layout.manifest_name(save_id)
-        raise errors.IntegrityError(
-            f"manifest {name} belongs to save {manifest.save_id}, not {save_id}")
-    return manifest
-
-
-def read_committed(backend: Backend, *, with_manifest: bool = True,
-                   stats: CallStats | None = None) -> Committed:
-    """Read and check the committed save at ``backend`` (``.metadata``, then its manifest).
-
-    Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError: see :func:`read_metadata_bytes`.
-        UnsafeCheckpointError: ``.metadata`` names classes or paths it must not.
-        IntegrityError: ``.metadata`` is unreadable, or (``with_manifest``) the manifest is.
-    """
-    data = backend.run(lambda: read_metadata_bytes(backend, stats))
-    metadata = load_metadata(data, where=backend.object_url(METADATA))
-    ours = volume_save_id(metadata) is not None
-    manifest = None
-    if with_manifest and ours:
-        manifest = backend.run(lambda: read_manifest(backend, metadata, stats))
-    return Committed(metadata, metadata_save_id(metadata), ours, manifest)
-
-
-def metadata_version(data: bytes) -> str:
-    """The identity of a ``.metadata``'s content (a replacement names the one it replaces)."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def objects_of(metadata: Metadata) -> set[str]:
-    """The objects a committed save consists of: its shards and its manifest."""
-    names = {info.relative_path for info in metadata.storage_data.values()}
-    save_id = metadata_save_id(metadata)
-    if _layout.is_save_id(save_id):
-        names.add(_layout.manifest_name(save_id))  # type: ignore[arg-type]
-    return names
-
-
-async def objects_of_current_save(backend: Backend) -> list[str]:
-    """Objects the checkpoint committed now at ``backend`` consists of (empty if none)."""
-    try:
-        data = await backend.cat(METADATA, op="read")
-    except errors.ObjectNotFoundError:
-        return []
-    try:
-        metadata = load_metadata(data, where=backend.object_url(METADATA))
-    except errors.DCPVolumesError:
-        return []  # not ours to interpret; leave it to gc
-    return sorted(objects_of(metadata))
-
-
-async def is_committed_by(backend: Backend, save_id: str) -> bool:
-    """Whether ``.metadata`` now commits ``save_id`` (unknown counts as no)."""
-    try:
-        data = await backend.cat(METADATA, op="read")
-        return metadata_save_id(load_metadata(data, where="")) == save_id
-    except Exception:  # noqa: BLE001 — unknown means "not provably ours"
-        return False
-
-
-# --------------------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------------------
 async def remove_quietly(backend: Backend, names: list[str]) -> None:
     """Remove objects of a save that did not commit (best effort: gc collects the rest)."""
     try:
@@ -394,81 +206,3 @@ async def check_durable(backend: Backend, manifest: Manifest) -> None:
             "`dcp-volumes gc`, a bucket lifecycle rule, another job); the checkpoint that was "
             "there before (if any) is unchanged. Save again"
         )
-
-
-# --------------------------------------------------------------------------------------
-# Live saves: the record that tells gc a save may still be running
-# --------------------------------------------------------------------------------------
-def _live_record(save_id: str) -> bytes:
-    return json.dumps({"save_id": save_id, "written": time.time(),
-                       "refresh_s": _layout.LIVE_REFRESH_S}).encode()
-
-
-async def mark_live(backend: Backend, save_id: str) -> None:
-    """Write (or rewrite) save ``save_id``'s live record (see :mod:`dcp_volumes._layout`)."""
-    await backend.put(_layout.live_name(save_id), _live_record(save_id))
-
-
-async def end_live(backend: Backend, save_id: str) -> None:
-    """Remove a finished save's live record (best effort: gc collects a stale one)."""
-    try:
-        await backend.remove([_layout.live_name(save_id)])
-    except Exception as exc:  # noqa: BLE001 -- the save's outcome is decided; gc tidies up
-        logger.warning("could not remove the live record of save %s under %s (%s); "
-                       "`dcp-volumes gc` collects it", save_id, redact_url(backend.url),
-                       type(exc).__name__)
-
-
-class Heartbeat:
-    """Rewrites a save's live record every ``interval_s`` while one rank uploads.
-
-    A task on the backend's event loop, so it costs one small PUT per rank per interval and
-    no thread. Best effort: a failed rewrite is logged, never fails the save. :meth:`stop`
-    returns only when no rewrite is in flight, so none lands after the rank's last byte.
-    """
-
-    def __init__(self, backend: Backend, save_id: str, interval_s: float | None = None) -> None:
-        self.backend = backend
-        self.save_id = save_id
-        self.interval_s = _layout.LIVE_REFRESH_S if interval_s is None else interval_s
-        self.beats = 0
-        self._task: asyncio.Task[None] | None = None
-        self._stop: asyncio.Event | None = None
-
-    def start(self) -> Heartbeat:
-        async def _start() -> None:
-            self._stop = asyncio.Event()
-            self._task = asyncio.ensure_future(self._beat(self._stop))
-
-        self.backend.run(_start)
-        return self
-
-    async def _beat(self, stop: asyncio.Event) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-                return
-            except asyncio.TimeoutError:
-                pass
-            try:
-                await mark_live(self.backend, self.save_id)
-                self.beats += 1
-            except Exception as exc:  # noqa: BLE001 -- a heartbeat never fails the save
-                logger.warning("could not refresh the live record of save %s under %s (%s)",
-                               self.save_id, redact_url(self.backend.url), type(exc).__name__)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop rewriting; waits up to ``timeout_s`` for a rewrite in flight, then cancels it."""
-        task, stop = self._task, self._stop
-        if task is None or stop is None:
-            return
-        self._task = self._stop = None
-
-        async def _stop() -> None:
-            stop.set()
-            try:
-                await asyncio.wait_for(task, timeout=timeout_s)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                pass
-
-        self.backend.run(_stop)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dcp_volumes import errors
-from dcp_volumes._commit import METADATA, metadata_version, read_manifest, read_metadata_bytes
+from dcp_volumes._commit_read import METADATA, metadata_version, read_manifest, read_metadata_bytes
 from dcp_volumes._manifest import load_metadata, volume_save_id
 from dcp_volumes.backends import Backend, CallStats
 
@@ -39,7 +39,7 @@ class Completeness:
             :data:`ABSENT` (no ``.metadata``).
         problem: why it is not complete (``"<ErrorType>: <message>"``); ``None`` if it is.
         version: the damaged ``.metadata``'s content identity
-            (:func:`~dcp_volumes._commit.metadata_version`), which a save replacing it names
+            (:func:`~dcp_volumes._commit_read.metadata_version`), which a save replacing it names
             so that it replaces exactly that one; ``None`` when not damaged or too large to
             read.
     """

@@ -6,7 +6,7 @@ would make 4·N requests for two small objects on one prefix (a HEAD and a GET e
 ``.metadata`` and the manifest) and hold N copies of a ``.metadata`` that reaches tens of
 MB for large models. When that load runs over a process group that spans every rank, rank
 0 reads and checks both objects exactly as a single reader does
-(:func:`~dcp_volumes._commit.read_committed`'s bounded, allow-listed reads) and sends the
+(:func:`~dcp_volumes._commit_read.read_committed`'s bounded, allow-listed reads) and sends the
 bytes over the group (:func:`read_shared`):
 
 1. every rank learns rank 0's outcome (:func:`~dcp_volumes._dist.agree`): a failed read
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_volumes import _dist, _layout, errors
-from dcp_volumes._commit import (
+from dcp_volumes._commit_read import (
     MAX_MANIFEST_BYTES,
     MAX_METADATA_BYTES,
     Committed,
@@ -165,7 +165,7 @@ def load_group() -> Group | None:
 def read_commit(backend: Backend, *, with_manifest: bool, stats: CallStats | None,
                 share: bool, timeout_s: float) -> Committed:
     """The committed save, read once per job where :func:`load_group` finds a group
-    (``share``), else on this rank (:func:`~dcp_volumes._commit.read_committed`)."""
+    (``share``), else on this rank (:func:`~dcp_volumes._commit_read.read_committed`)."""
     group = load_group() if share else None
     if group is None:
         return read_committed(backend, with_manifest=with_manifest, stats=stats)
@@ -179,7 +179,7 @@ def read_commit(backend: Backend, *, with_manifest: bool, stats: CallStats | Non
 def read_leader(backend: Backend, *, with_manifest: bool,
                 stats: CallStats | None = None) -> LeaderRead:
     """Rank 0's read: the bytes of ``.metadata`` and (when ours) of its manifest, checked
-    as :func:`~dcp_volumes._commit.read_committed` checks them."""
+    as :func:`~dcp_volumes._commit_read.read_committed` checks them."""
     data = backend.run(lambda: read_metadata_bytes(backend, stats))
     metadata = load_metadata(data, where=backend.object_url(_layout.METADATA))
     save_id = volume_save_id(metadata)

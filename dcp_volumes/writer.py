@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_volumes import _commit, _compat, _layout, errors
+from dcp_volumes import _commit, _compat, _layout, _live, errors
 from dcp_volumes._location import Location
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.config import (
@@ -243,19 +243,19 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         cached plan, see ``claim_shard_id``) is also removed on success: the coordinator
         removes only the save id's."""
         backend = self._backend()
-        heartbeat = _commit.Heartbeat(backend, job.shard_id).start()
+        heartbeat = _live.Heartbeat(backend, job.shard_id).start()
         try:
             results, self.last_stats = write_to_store(job, backend)
         except BaseException:
             heartbeat.stop()
             with contextlib.suppress(Exception):  # best effort: gc collects a stale record
-                backend.run(lambda: _commit.end_live(backend, job.shard_id))
+                backend.run(lambda: _live.end_live(backend, job.shard_id))
             raise
         finally:
             heartbeat.stop()
         if job.shard_id != plan_save_id and heartbeat.beats:
             with contextlib.suppress(Exception):
-                backend.run(lambda: _commit.end_live(backend, job.shard_id))
+                backend.run(lambda: _live.end_live(backend, job.shard_id))
         return results
 
     def local_only_result(self, *, group: dist.ProcessGroup | None = None,

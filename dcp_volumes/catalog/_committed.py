@@ -1,6 +1,6 @@
 """One checkpoint's committed save, as verify and describe need it.
 
-:func:`dcp_volumes._commit.read_committed` reads ``.metadata`` (telling "nothing here" from
+:func:`dcp_volumes._commit_read.read_committed` reads ``.metadata`` (telling "nothing here" from
 "never committed"); here a manifest that is missing or unreadable is recorded rather than
 raised, because ``verify`` reports it as a failed file and ``describe`` shows what it can.
 """
@@ -40,14 +40,14 @@ def load_committed(backend: Backend) -> CommittedSave:
         CheckpointNotFoundError: nothing is stored at the backend's root.
         IncompleteCheckpointError: objects but no ``.metadata``.
     """
-    from dcp_volumes import _commit  # imports torch (unpickling needs it): only when used
+    from dcp_volumes import _commit_read  # imports torch (unpickling needs it): only when used
 
-    committed = _commit.read_committed(backend, with_manifest=False)
+    committed = _commit_read.read_committed(backend, with_manifest=False)
     md, save_id = committed.metadata, committed.save_id
     if not committed.ours:
         return CommittedSave(md, save_id, False, None, None)
     try:
-        manifest = backend.run(lambda: _commit.read_manifest(backend, md))
+        manifest = backend.run(lambda: _commit_read.read_manifest(backend, md))
     except errors.IntegrityError as exc:
         return CommittedSave(md, save_id, True, None, str(exc))
     torch_version = (manifest.torch or None) if manifest is not None else None

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_volumes import errors
-from dcp_volumes._commit import read_committed
+from dcp_volumes._commit_read import read_committed
 from dcp_volumes.backends import open_backend
 from dcp_volumes.config import LocalTierOptions, RetryOptions
 from dcp_volumes.tier import DurableBase, LocalCommit, LocalOnlyCopy, find_local_only, normal_url

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dcp_volumes import _dist, errors
-from dcp_volumes._commit import read_committed
+from dcp_volumes._commit_read import read_committed
 from dcp_volumes.backends import open_backend, redact_url
 from dcp_volumes.config import MiB, RetryOptions, TransferOptions
 from dcp_volumes.export._checks import check_claims, check_not_inside

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from dcp_volumes import _commit, _layout, errors
+from dcp_volumes import _commit, _layout, _live, errors
 from dcp_volumes._complete import completeness
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats, redact_url
@@ -36,7 +36,7 @@ def begin_store_save(backend: Backend, url: str, *,
             "or pass VolumeWriter(..., overwrite=True) to replace it"
         )
     save_id = _layout.new_save_id()
-    backend.run(lambda: _commit.mark_live(backend, save_id))
+    backend.run(lambda: _live.mark_live(backend, save_id))
     return save_id, replaces
 
 
@@ -59,4 +59,4 @@ def commit_store_save(backend: Backend, manifest: Manifest, metadata_bytes: byte
             overwrite=overwrite, stats=stats, replaces=replaces))
     finally:
         with contextlib.suppress(Exception):  # best effort: gc collects a stale record
-            backend.run(lambda: _commit.end_live(backend, manifest.save_id))
+            backend.run(lambda: _live.end_live(backend, manifest.save_id))

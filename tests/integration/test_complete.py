@@ -222,7 +222,7 @@ def test_of_two_saves_replacing_one_damaged_step_exactly_one_commits(store: Stor
 def test_a_save_refuses_to_replace_while_another_holds_the_claim(store: Store) -> None:
     store.save("step-1", 1.0)
     _garbage_metadata(store, "step-1")
-    from dcp_volumes._commit import metadata_version
+    from dcp_volumes._commit_read import metadata_version
 
     claim = f".metadata.replacing-{metadata_version(store.cat('step-1/.metadata'))[:32]}.tmp"
     store.put(f"step-1/{claim}", b"another save")

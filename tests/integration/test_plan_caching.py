@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from dcp_volumes import VolumeReader, VolumeWriter, _commit, _layout
+from dcp_volumes import VolumeReader, VolumeWriter, _commit_read, _layout
 from dcp_volumes.backends import open_backend
 from dcp_volumes.catalog import gc, list_checkpoints
 from dcp_volumes.testing.dist import run_ranks
@@ -76,10 +76,10 @@ def _assert_loads(url: str, options: dict[str, Any], step: int) -> None:
 def _committed(url: str, options: dict[str, Any]) -> tuple[str, set[str], list[str]]:
     """(save id, the objects the committed save consists of, every object in the directory)."""
     backend = open_backend(url, options)
-    committed = _commit.read_committed(backend)
+    committed = _commit_read.read_committed(backend)
     assert committed.ours and committed.manifest is not None, "manifest not expected"
     assert committed.manifest.save_id == committed.save_id
-    owned = _commit.objects_of(committed.metadata)
+    owned = _commit_read.objects_of(committed.metadata)
     assert set(committed.manifest.files) == owned - {_layout.manifest_name(committed.save_id)}
     names = backend.run(backend.list_names)
     return committed.save_id, owned, sorted(names)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_volumes import VolumeReader, VolumeWriter, _shared_commit, errors
-from dcp_volumes._commit import read_committed
+from dcp_volumes._commit_read import read_committed
 from dcp_volumes.backends import open_backend
 from dcp_volumes.config import RetryOptions
 from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim

@@ -24,7 +24,7 @@ import dcp_volumes
 from dcp_volumes import (
     VolumeReader,
     VolumeWriter,
-    _commit,
+    _commit_read,
     catalog,
     errors,
 )
@@ -121,7 +121,7 @@ def test_oversized_metadata_is_refused_before_reading(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     url = str(tmp_path / "ckpt")
     dcp.save(_state(1), storage_writer=VolumeWriter(url), **no_dist())
-    monkeypatch.setattr(_commit, "MAX_METADATA_BYTES", 64)
+    monkeypatch.setattr(_commit_read, "MAX_METADATA_BYTES", 64)
     reads: list[str] = []
     real_get = LocalBackend._get
 
