@@ -74,8 +74,12 @@ class PageRun:
         if not ok:
             self._log.seek(start)
             output = self._log.read().decode(errors="replace")
-            raise SnippetFailed(f"{block.where}: the {block.language} block {why}\n"
-                                f"--- its output (tail) ---\n{output[-_TAIL:]}")
+            last = next((ln for ln in reversed(output.splitlines()) if ln.strip()), "")
+            tail = output[-_TAIL:]
+            if len(output) > _TAIL:
+                tail = "...\n" + tail.split("\n", 1)[-1]
+            raise SnippetFailed(f"{block.where}: the {block.language} block {why}: {last}\n"
+                                f"--- its output ---\n{tail}")
 
     def _bash(self, block: Block) -> tuple[bool, str]:
         proc = subprocess.Popen(["bash", "-eo", "pipefail", "-c", block.text],
