@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Any
 
+from dcp_volumes import errors
 from dcp_volumes.cli._exit import EXIT_OK
 from dcp_volumes.cli._format import human_bytes, plural, print_json, progress_bar, redact
 from dcp_volumes.cli._options import key_value, storage_options_for, storage_options_parser
@@ -45,7 +46,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
             "examples:\n"
             "  dcp-volumes export s3://bucket/run-42/step-1000 s3://bucket/hf/run-42 "
             "--prefix model.\n"
-            "  dcp-volumes export /ckpt/step-100 ./hf --prefix model. --dtype bf16 --json"
+            "  dcp-volumes export /ckpt/step-100 ./hf --prefix model. --dtype bf16 --json\n"
+            "  dcp-volumes export /ckpt/step-100 ./hf --prefix model. --keep-tied"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,6 +61,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="cast floating tensors to this dtype")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="most tensor bytes per file: 5GB (= 5*10**9, the default), 500MiB, ...")
+    p.add_argument("--keep-tied", action="store_true",
+                   help="write tied duplicates too (by default lm_head.weight is left out "
+                   "when its bytes equal the embedding's, as save_pretrained does)")
+    p.add_argument("--tie", action="append", default=[], type=_name_pair,
+                   metavar="NAME=KEPT",
+                   help="leave out exported tensor NAME as a duplicate of KEPT, checked "
+                   "byte-equal (repeatable; replaces the lm_head.weight default)")
+    p.add_argument("--extension", action="append", default=[], metavar="MODULE:CLASS",
+                   help="a torch StreamTransformExtension the checkpoint was written "
+                   "through, imported and registered to decode it (repeatable)")
     p.add_argument("--dest-option", dest="dest_option", action="append", default=[],
                    type=key_value, metavar="KEY=VALUE",
                    help="an fsspec option for DEST only, repeatable (the storage flags apply "
@@ -68,6 +80,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    "before the new one is written)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(handler=_run_export)
+
+
+def _name_pair(text: str) -> tuple[str, str]:
+    name, sep, kept = text.partition("=")
+    if not sep or not name or not kept:
+        raise argparse.ArgumentTypeError(f"expected NAME=KEPT (two tensor names), got {text!r}")
+    return name, kept
 
 
 def _scheme(url: str) -> str:
@@ -96,17 +115,48 @@ def _ask(names: list[str]) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
+def _tied(args: argparse.Namespace) -> str | dict[str, str]:
+    if args.keep_tied and args.tie:
+        raise errors.ConfigError("--keep-tied writes every tensor and --tie leaves one out: "
+                                 "pass one of them")
+    return "keep" if args.keep_tied else dict(args.tie) if args.tie else "auto"
+
+
+def _registry(specs: list[str]) -> Any:
+    """torch's ExtensionRegistry with each ``MODULE:CLASS`` (named by the user, never read
+    from storage) imported and registered; None when none is named."""
+    if not specs:
+        return None
+    import importlib
+
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    registry = ExtensionRegistry()
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        try:
+            registry.register(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise errors.ConfigError(
+                f"--extension {spec!r} cannot be registered ({type(exc).__name__}: {exc}): "
+                "name an importable torch StreamTransformExtension as MODULE:CLASS (its "
+                "module on PYTHONPATH)") from None
+    return registry
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from dcp_volumes.export import export_safetensors, parse_size
 
     parse_size(args.max_shard_size)  # a bad size fails before torch is imported
+    tied = _tied(args)
     with progress_bar("export", enabled=not args.json, unit="bytes") as progress:
         report = export_safetensors(
             args.src, args.dest, prefix=args.prefix, dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=args.max_shard_size, tied=tied,
             storage_options=storage_options_for(args, args.src),
             dest_storage_options=_dest_options(args), progress=progress,
-            replace=True if args.replace else _ask)
+            replace=True if args.replace else _ask,
+            extension_registry=_registry(args.extension))
     if args.json:
         print_json({"src": redact(args.src), **report.to_dict()})
         return EXIT_OK
@@ -118,6 +168,9 @@ def _run_export(args: argparse.Namespace) -> int:
     if report.skipped:
         shown = ", ".join(report.skipped[:5]) + (", ..." if len(report.skipped) > 5 else "")
         print(f"skipped {plural(len(report.skipped), 'non-tensor item')}: {shown}")
+    if report.tied:
+        shown = ", ".join(f"{a} (= {b})" for a, b in report.tied[:5])
+        print(f"left out {plural(len(report.tied), 'tied duplicate')}: {shown}")
     if report.not_selected:
         print(f"left out {plural(report.not_selected, 'item')} outside the prefix or dropped")
     return EXIT_OK

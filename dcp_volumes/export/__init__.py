@@ -25,17 +25,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcp_volumes.export._plan import parse_size
-    from dcp_volumes.export._run import ExportReport, export_safetensors
+    from dcp_volumes.export._options import parse_size
+    from dcp_volumes.export._report import ExportReport
+    from dcp_volumes.export._run import export_safetensors
     from dcp_volumes.export._source import SafetensorsReader
 
 __all__ = ["ExportReport", "SafetensorsReader", "export_safetensors", "parse_size"]
 
 _LAZY: dict[str, str] = {
-    "ExportReport": "dcp_volumes.export._run",
+    "ExportReport": "dcp_volumes.export._report",
     "export_safetensors": "dcp_volumes.export._run",
     "SafetensorsReader": "dcp_volumes.export._source",
-    "parse_size": "dcp_volumes.export._plan",
+    "parse_size": "dcp_volumes.export._options",
 }
 
 

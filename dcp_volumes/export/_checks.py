@@ -7,9 +7,11 @@ proportion to the claim. So before any work is planned from a shape, every expor
 stored chunks are checked against things not read from ``.metadata``: each chunk lies inside
 the tensor and has a storage entry, the chunks' elements add up to the tensor's, every
 entry lies inside its object's real size (one listing of SRC), and an entry stored as raw
-bytes (no stream transform) holds at least its chunk's bytes. A compressed entry may
-decode to at most what ``load`` allows (:mod:`dcp_volumes.transfer.transforms`), which the
-serve path enforces as it decodes.
+bytes (no stream transform) holds at least its chunk's bytes, and an entry written through
+a stream transform (zstd, or a custom one) claims no more than its stored bytes can decode
+to (:data:`~dcp_volumes.transfer.transforms.MAX_RATIO` per byte, the bound the serve path
+enforces as it decodes, as on load). Every transform is checked decodable here
+(:func:`check_decodable`) before any byte is fetched.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ from dcp_volumes import errors
 from dcp_volumes.backends import Backend, redact_url
 from dcp_volumes.backends.local import LocalBackend
 from dcp_volumes.export._plan import PlannedTensor
+from dcp_volumes.transfer import transforms
 
-__all__ = ["check_claims", "check_not_inside"]
+__all__ = ["EXPORT_HOW", "check_claims", "check_decodable", "check_not_inside"]
+
+#: where an export takes torch's ``ExtensionRegistry`` (named in its errors)
+EXPORT_HOW = ("export_safetensors(..., extension_registry=registry), or on the command line "
+              "dcp-volumes export --extension MODULE:CLASS")
 
 #: the largest dimension a stored shape may claim (torch sizes are int64)
 MAX_DIM = 2**62
@@ -102,11 +109,29 @@ def _check_chunk(metadata: Any, t: PlannedTensor, chunk: Any, shape: tuple[int, 
                                   f"{info.relative_path}, which has "
                                   f"{'no object' if real is None else f'{real} bytes'}")
     elements = math.prod(lengths)
-    if not getattr(info, "transform_descriptors", None) and \
-            elements * t.source_element_size > length:
+    stored_max = length * transforms.MAX_RATIO if getattr(
+        info, "transform_descriptors", None) else length
+    if elements * t.source_element_size > stored_max:
         raise _bad(url, t.source, f"claims a chunk of {elements} elements stored in "
                                   f"{length} bytes")
     return elements
+
+
+def check_decodable(metadata: Any, tensors: Iterable[PlannedTensor], registry: Any,
+                    url: str) -> None:
+    """Check that every stream transform an exported tensor's chunks were written through
+    can be decoded here (zstd; a custom one when ``registry`` has it), before any fetch.
+
+    Raises:
+        UnsupportedTransformError: one cannot; the message names it and what to pass.
+    """
+    for t in tensors:
+        for chunk in metadata.state_dict_metadata[t.source].chunks:
+            info = _storage_info(metadata, t.source, chunk)
+            descriptors = getattr(info, "transform_descriptors", None)
+            if descriptors:
+                transforms.check_transforms(descriptors, f"tensor {t.source!r} of {url}",
+                                            registry, how=EXPORT_HOW)
 
 
 def _storage_info(metadata: Any, fqn: str, chunk: Any) -> Any:

@@ -7,12 +7,15 @@ chunks come from torch's own resharding helper (``create_read_items_for_chunk_li
 DTensor-sharded weight is read back exactly as ``dcp.load`` would read it into one full
 tensor; :class:`SlabTarget` is the small ``LoadPlanner`` the serve path copies into. Many
 small slabs make one *round*, fetched together so that neighbours coalesce into few GETs.
+Items written through a stream transform are fetched whole and decoded as on load (zstd, or
+a custom transform of the ``extension_registry`` given). :meth:`Source.equal` compares two
+tensors' bytes slab by slab (the proof of a tie, :mod:`~dcp_volumes.export._ties`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +34,8 @@ from dcp_volumes import errors
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.config import TransferOptions
-from dcp_volumes.export._plan import PlannedTensor, Slab, SourceItem, slabs
+from dcp_volumes.export._plan import PlannedTensor, SourceItem
+from dcp_volumes.export._work import Slab, slabs
 from dcp_volumes.loading.apply import PlannerTarget
 from dcp_volumes.loading.needs import Need, plan_needs, plan_ranges
 from dcp_volumes.loading.serve import serve
@@ -101,7 +105,7 @@ class Source:
     """A committed checkpoint opened for export (its ``.metadata`` and manifest read)."""
 
     def __init__(self, backend: Backend, metadata: Metadata, manifest: Manifest | None,
-                 url: str, transfer: TransferOptions) -> None:
+                 url: str, transfer: TransferOptions, registry: Any = None) -> None:
         if metadata.storage_data is None:
             raise errors.IntegrityError(f"{url}: .metadata has no storage_data")
         self.backend = backend
@@ -109,6 +113,7 @@ class Source:
         self.manifest = manifest
         self.url = url
         self.transfer = transfer
+        self.registry = registry  # torch's ExtensionRegistry for custom stream transforms
         self.stats = CallStats()
         self.store = StoreSource(backend, url, max_concurrency=transfer.max_concurrency,
                                  chunk_size=transfer.part_size, stats=self.stats)
@@ -155,7 +160,7 @@ class Source:
             for slab in r.slabs:
                 r.reads.extend(self._reads(slab))
             r.needs = plan_needs(r.reads, self.metadata.storage_data, self.manifest, self.url,
-                                 self.metadata)
+                                 self.metadata, self.registry)
             r.ranges = plan_ranges(r.needs, gap=self.transfer.coalesce_gap,
                                    max_size=self.transfer.max_range_size)
         self.store.check([rng for r in rounds for rng in r.ranges])
@@ -181,3 +186,27 @@ class Source:
         serve(self.store, rnd.ranges, PlannerTarget(SlabTarget(buffers)), url=self.url,
               last=True)
         return [buffers[(s.tensor.source, s.offsets)] for s in rnd.slabs]
+
+    def _flat(self, t: PlannedTensor, budget: int) -> Iterator[torch.Tensor]:
+        for rnd in self.rounds([t], budget):
+            for slab in self.fetch(rnd):
+                yield slab.reshape(-1).view(torch.uint8)
+
+    def equal(self, a: PlannedTensor, b: PlannedTensor, budget: int) -> bool:
+        """Whether ``a`` and ``b`` (one dtype and shape) hold the same bytes: fetched a
+        round of each at a time, stopping at the first round that differs."""
+        if (a.source_dtype, a.shape) != (b.source_dtype, b.shape):
+            return False
+        xs, ys = self._flat(a, budget), self._flat(b, budget)
+        x = y = torch.empty(0, dtype=torch.uint8)
+        while True:
+            if not len(x):
+                x = next(xs, x)
+            if not len(y):
+                y = next(ys, y)
+            n = min(len(x), len(y))
+            if n == 0:
+                return len(x) == len(y)  # both ended (the shapes match, so they do together)
+            if not torch.equal(x[:n], y[:n]):
+                return False
+            x, y = x[n:], y[n:]

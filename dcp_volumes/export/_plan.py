@@ -12,8 +12,9 @@ file's header computed before any tensor byte moves:
    bigger than the maximum gets a file of its own. One file is ``model.safetensors``; more
    are ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``.
 
-:func:`assign_files` splits the files across ranks by bytes; :func:`slabs` cuts a tensor
-into dim-0 row ranges of at most a byte budget, the units a rank fetches.
+Tied duplicates (``tied=``, confirmed byte-equal by :mod:`~dcp_volumes.export._ties`) are
+left out before the split, as ``save_pretrained`` leaves them out. How the work is cut
+across ranks and into slabs is :mod:`~dcp_volumes.export._work`.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from dcp_volumes import errors
 from dcp_volumes.export import _format
+from dcp_volumes.export._options import FLOATING, output_dtype, parse_size
 
 __all__ = ["INDEX", "RESERVED_NAMES", "SINGLE", "ExportPlan", "PlannedFile", "PlannedTensor",
-           "Slab", "SourceItem", "assign_files", "numbered", "output_dtype", "parse_size",
-           "plan_export", "slabs"]
+           "Selection", "SourceItem", "numbered", "plan_export", "plan_files",
+           "select_tensors"]
 
 #: the one file of an export that fits in ``max_shard_size``
 SINGLE = "model.safetensors"
@@ -40,11 +42,6 @@ NUMBERED_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 #: names the safetensors format reserves in a header: a tensor by one of these names would
 #: replace the file's format metadata and make the file unreadable, so it is refused
 RESERVED_NAMES = frozenset({"__metadata__"})
-#: the dtypes ``--dtype`` casts (other tensors keep their dtype)
-FLOATING = frozenset({"float64", "float32", "float16", "bfloat16"})
-_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
-                "float16": "float16", "half": "float16", "fp32": "float32",
-                "float32": "float32", "float": "float32"}
 #: the metadata Hugging Face loaders look for (transformers refuses other formats)
 FILE_METADATA = {"format": "pt"}
 
@@ -52,46 +49,6 @@ FILE_METADATA = {"format": "pt"}
 def numbered(i: int, n: int) -> str:
     """``model-0000i-of-0000n.safetensors`` (1-based, five digits as Hugging Face writes)."""
     return f"model-{i:05d}-of-{n:05d}.safetensors"
-
-
-def parse_size(size: int | str) -> int:
-    """``max_shard_size`` in bytes: an int, or ``"5GB"`` (decimal, as Hugging Face reads it:
-    5 * 10**9), ``"500MiB"`` (binary), ``"100KB"``, plain digits.
-
-    Raises:
-        ConfigError: not a positive size.
-    """
-    if isinstance(size, bool):
-        raise errors.ConfigError(f"max_shard_size must be a size like '5GB', got {size!r}")
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(size), re.IGNORECASE)
-        if m is None:
-            raise errors.ConfigError(
-                f"max_shard_size must be a size like '5GB', '500MiB' or a number of bytes, "
-                f"got {size!r}")
-        number, unit, binary = m.groups()
-        base = 1024 if binary else 1000
-        value = int(float(number) * base ** (" KMGT".index(unit.upper()) if unit else 0))
-    if value <= 0:
-        raise errors.ConfigError(f"max_shard_size must be greater than 0, got {size!r}")
-    return value
-
-
-def output_dtype(dtype: str | None) -> str | None:
-    """The torch dtype name ``--dtype`` asks for (``"bf16"`` → ``"bfloat16"``), or None.
-
-    Raises:
-        ConfigError: not one of bf16, fp16, fp32.
-    """
-    if dtype is None:
-        return None
-    name = _DTYPE_NAMES.get(str(dtype).removeprefix("torch.").lower())
-    if name is None:
-        raise errors.ConfigError(
-            f"dtype must be bf16, fp16 or fp32 (or None to keep each tensor's), got {dtype!r}")
-    return name
 
 
 @dataclass(frozen=True)
@@ -145,6 +102,7 @@ class ExportPlan:
     files: tuple[PlannedFile, ...]
     skipped: tuple[str, ...]  # non-tensor items that were selected: not exportable
     not_selected: int  # items outside the prefix, or dropped by rename
+    tied: tuple[tuple[str, str], ...] = ()  # (left out, the equal tensor kept), by name
 
     @property
     def total_size(self) -> int:
@@ -240,16 +198,23 @@ def _split(tensors: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTen
     return groups
 
 
-def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
-                rename: Callable[[str], str | None] | None = None, dtype: str | None = None,
-                max_shard_size: int | str = "5GB") -> ExportPlan:
-    """Plan the export of a checkpoint's ``items`` (see the module docstring).
+@dataclass(frozen=True)
+class Selection:
+    """The tensors an export selects, sorted by output name, and what it leaves out."""
+
+    tensors: tuple[PlannedTensor, ...]
+    skipped: tuple[str, ...]  # selected non-tensor items
+    not_selected: int  # items outside the prefix, or dropped by rename
+
+
+def select_tensors(items: Sequence[SourceItem], *, prefix: str | None = None,
+                   rename: Callable[[str], str | None] | None = None,
+                   dtype: str | None = None) -> Selection:
+    """Steps 1 and 2 of the module docstring (``rename`` is called once per item).
 
     Raises:
-        ConfigError: no tensor is selected (the message names the prefixes there are), two
-            items map to one name, a name safetensors reserves (``__metadata__``), a tensor's dtype has no safetensors code, a bad option.
+        ConfigError: as :func:`plan_export`.
     """
-    max_bytes = parse_size(max_shard_size)
     out_dtype = output_dtype(dtype)
     chosen, skipped, dropped = _select(items, prefix, rename)
     if not chosen:
@@ -266,58 +231,50 @@ def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
                 "change the prefix or the rename function so every name is unique")
         seen[name] = item.fqn
     tensors = sorted((_planned(n, i, out_dtype) for n, i in chosen), key=lambda t: t.name)
-    groups = _split(tensors, max_bytes)
+    return Selection(tuple(tensors), tuple(sorted(skipped)), dropped)
+
+
+def plan_files(selection: Selection, max_shard_size: int | str = "5GB",
+               tied: Mapping[str, str] | None = None) -> ExportPlan:
+    """Step 3 of the module docstring, leaving out ``tied``: ``{name: kept name}`` of
+    tensors each equal to a kept one (proven by :mod:`~dcp_volumes.export._ties`; here only
+    checked to name exported tensors).
+
+    Raises:
+        ConfigError: a tie naming a tensor not exported or left out, a bad size.
+    """
+    max_bytes = parse_size(max_shard_size)
+    tied = dict(tied or {})
+    names = {t.name for t in selection.tensors}
+    for name, kept in tied.items():
+        if name not in names or kept not in names or kept in tied:
+            raise errors.ConfigError(
+                f"the tie {name!r} -> {kept!r} names a tensor that is not exported (or is "
+                "itself left out): tie exported names to a kept one")
+    groups = _split([t for t in selection.tensors if t.name not in tied], max_bytes)
     files = []
     for i, group in enumerate(groups, start=1):
         header, encoded = _format.layout(
             [(t.name, t.dtype, t.shape) for t in group], FILE_METADATA)
         name = SINGLE if len(groups) == 1 else numbered(i, len(groups))
         files.append(PlannedFile(name, tuple(group), header, encoded))
-    return ExportPlan(tuple(files), tuple(sorted(skipped)), dropped)
+    return ExportPlan(tuple(files), selection.skipped, selection.not_selected,
+                      tuple(sorted(tied.items())))
 
 
-def assign_files(files: Sequence[PlannedFile], world: int) -> list[list[int]]:
-    """Which files (indices) each of ``world`` ranks writes: largest first onto the rank
-    with the fewest bytes so far (ties to the lowest rank); each rank's in file order."""
-    loads = [0] * world
-    out: list[list[int]] = [[] for _ in range(world)]
-    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
-        rank = min(range(world), key=lambda r: (loads[r], r))
-        out[rank].append(i)
-        loads[rank] += files[i].size
-    return [sorted(mine) for mine in out]
+def plan_export(items: Sequence[SourceItem], *, prefix: str | None = None,
+                rename: Callable[[str], str | None] | None = None, dtype: str | None = None,
+                max_shard_size: int | str = "5GB", tied: Mapping[str, str] | None = None
+                ) -> ExportPlan:
+    """Plan the export of a checkpoint's ``items`` (see the module docstring):
+    :func:`select_tensors`, then :func:`plan_files`.
 
-
-@dataclass(frozen=True)
-class Slab:
-    """Rows ``[start, stop)`` of dim 0 of a tensor (the whole tensor for 0-d ones)."""
-
-    tensor: PlannedTensor
-    start: int
-    stop: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = self.tensor.shape
-        return (self.stop - self.start, *shape[1:]) if shape else ()
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return (self.start, *([0] * (len(self.tensor.shape) - 1))) if self.tensor.shape else ()
-
-    @property
-    def source_nbytes(self) -> int:
-        return math.prod(self.shape) * self.tensor.source_element_size
-
-
-def slabs(tensor: PlannedTensor, budget: int, *, sliceable: bool) -> list[Slab]:
-    """``tensor`` in dim-0 row ranges of at most ``budget`` source bytes each (at least one
-    row); the whole tensor when it fits, is 0-d, or is not ``sliceable`` (its stored chunks
-    can only be read whole, so it is assembled once)."""
-    shape = tensor.shape
-    rows = shape[0] if shape else 1
-    if not shape or not sliceable or tensor.source_nbytes <= budget or rows <= 1:
-        return [Slab(tensor, 0, rows)]
-    row_bytes = max(1, tensor.source_nbytes // rows)
-    step = max(1, budget // row_bytes)
-    return [Slab(tensor, r, min(rows, r + step)) for r in range(0, rows, step)]
+    Raises:
+        ConfigError: no tensor is selected (the message names the prefixes there are), two
+            items map to one name, a name safetensors reserves (``__metadata__``), a
+            tensor's dtype has no safetensors code, a tie naming a tensor not exported, a
+            bad option.
+    """
+    parse_size(max_shard_size)
+    selection = select_tensors(items, prefix=prefix, rename=rename, dtype=dtype)
+    return plan_files(selection, max_shard_size, tied)

@@ -36,7 +36,7 @@ from typing import Any
 
 from dcp_volumes import errors
 
-__all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "TENSOR_OVERHEAD", "check_transforms",
+__all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "READER_HOW", "TENSOR_OVERHEAD", "check_transforms",
            "check_zip_crcs", "checked_registry", "decode", "decode_bound", "decoded_limit"]
 
 #: the most a non-tensor item may decode to (DCP's pickled objects: configs, RNG and
@@ -73,13 +73,18 @@ def _zstd_module(what: str, descriptor: str) -> Any:
         f"neither zstandard nor pyzstd is installed: {_INSTALL}")
 
 
-def check_transforms(descriptors: Sequence[str], what: str, registry: Any = None
-                     ) -> tuple[str, ...]:
+#: where a load takes the registry (what the errors tell a user to do)
+READER_HOW = "VolumeReader(..., extension_registry=registry)"
+
+
+def check_transforms(descriptors: Sequence[str], what: str, registry: Any = None, *,
+                     how: str = READER_HOW) -> tuple[str, ...]:
     """The descriptors, once each is known to be decodable here.
 
     ``registry``: torch's ``ExtensionRegistry`` (what torch's ``FileSystemReader`` takes as
     ``_extension_registry``) with the custom stream transforms the writer used registered;
-    ``stream.zstd`` is always decoded here, by the bounded decoder.
+    ``stream.zstd`` is always decoded here, by the bounded decoder. ``how``: where the
+    caller passes a registry (named in the error when one is missing).
 
     Raises:
         UnsupportedTransformError: an unknown transform or version (not ``stream.zstd`` and
@@ -95,7 +100,7 @@ def check_transforms(descriptors: Sequence[str], what: str, registry: Any = None
     for descriptor in descriptors:
         name, version = _parse(descriptor, what)
         if name != _ZSTD:
-            _extension(registry, descriptor, what)
+            _extension(registry, descriptor, what, how)
             out.append(descriptor)
             continue
         if version.partition(".")[0] != "1":
@@ -121,21 +126,21 @@ def checked_registry(registry: Any) -> Any:
     return registry
 
 
-def _extension(registry: Any, descriptor: str, what: str) -> Any:
+def _extension(registry: Any, descriptor: str, what: str, how: str = READER_HOW) -> Any:
     """The registered extension that undoes ``descriptor`` (torch's ``from_descriptor``)."""
     if registry is None:
         raise errors.UnsupportedTransformError(
             f"{what} was written through the stream transform {descriptor!r}, which "
             f"dcp_volumes does not decode by itself (it decodes {_ZSTD!r}, torch's ZStandard "
             "extension): register the writer's extension in a torch ExtensionRegistry and "
-            "pass it as VolumeReader(..., extension_registry=registry)")
+            f"pass it as {how}")
     try:
         (extension,) = registry.from_descriptor_list([descriptor])
     except Exception as exc:  # torch raises ValueError; a custom from_descriptor anything
         raise errors.UnsupportedTransformError(
             f"{what} was written through the stream transform {descriptor!r}, which the "
-            f"extension registry passed to the reader cannot decode ({type(exc).__name__}: "
-            "is its extension registered, at that version?)") from exc
+            f"extension registry passed cannot decode ({type(exc).__name__}: is its "
+            f"extension registered, at that version? it is passed as {how})") from exc
     if not callable(getattr(extension, "transform_from", None)):
         raise errors.UnsupportedTransformError(
             f"{what}: the extension registered for {descriptor!r} is not a stream transform "

@@ -10,16 +10,9 @@ import pytest
 
 from dcp_volumes import errors
 from dcp_volumes.export import _format
-from dcp_volumes.export._plan import (
-    INDEX,
-    RESERVED_NAMES,
-    SINGLE,
-    SourceItem,
-    assign_files,
-    parse_size,
-    plan_export,
-    slabs,
-)
+from dcp_volumes.export._options import parse_size
+from dcp_volumes.export._plan import INDEX, RESERVED_NAMES, SINGLE, SourceItem, plan_export
+from dcp_volumes.export._work import assign_files, slabs
 
 ITEMS = [
     SourceItem("model.layers.1.w", "float32", (100, 10)),  # 4000 bytes
