@@ -10,9 +10,11 @@ single file) is committed last. :class:`SafetensorsReader` is the other way: a D
 fetching only the element ranges its shards need. See ``docs/export.md``.
 
 Modules: ``_format`` (the safetensors header: layout and the untrusted parse; torch-free),
-``_plan`` (pure, torch-free: selection, dtypes, files, headers, rank split), ``_fetch`` (the
+``_options``, ``_plan``, ``_work`` and ``_ties`` (pure, torch-free: sizes and dtypes;
+selection, files, headers; the rank split and slabs; tied duplicates), ``_fetch`` (the
 source: slabs through the serve path), ``_dest`` (clearing, streaming uploads, the commit),
-``_run`` (the lifecycle, one or many ranks), ``_source`` (:class:`SafetensorsReader`).
+``_checks`` (before any byte moves), ``_group``, ``_stream``, ``_report`` and ``_run`` (the
+lifecycle, one or many ranks), ``_source`` (:class:`SafetensorsReader`).
 
 The names are resolved lazily (module ``__getattr__``), so ``_format`` and ``_plan`` are used
 without importing torch (:func:`parse_size`, ``max_shard_size``'s parser, is torch-free: the

@@ -25,7 +25,6 @@ PAGES_NOT_PASSING_YET: dict[str, str] = {
     "docs/integrations/lightning.md": "integ",
     "docs/integrations/torchtitan.md": "integ",
     "docs/integrations/torch_checkpointing.md": "tcp",
-    "docs/export.md": "export",
     "docs/goodput.md": "autopilot",
 }
 
