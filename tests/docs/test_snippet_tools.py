@@ -107,8 +107,10 @@ def _torchrun(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedPr
 
 
 def test_torchrun_starts_ranks_with_torchs_variables(tmp_path: Path) -> None:
-    script = ("import os\nprint(','.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', "
-              "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')), int(os.environ['MASTER_PORT']) > 0)\n")
+    # one write per rank: ranks share the pipe, and an unbuffered print writes piece by piece
+    script = ("import os\nline = ','.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', "
+              "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR'))\n"
+              "os.write(1, f\"{line} {int(os.environ['MASTER_PORT']) > 0}\\n\".encode())\n")
     done = _torchrun(tmp_path, script, "--standalone", "--nproc_per_node=3")
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split("\n")[:-1]) == [

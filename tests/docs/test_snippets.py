@@ -80,7 +80,7 @@ def _check_fences(page_blocks: list[Block]) -> None:
                        f"at {', '.join(stray)}: remove the mark")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("page", _params())
 def test_page_blocks_run(page: Path, page_store: tuple[Any, dict[str, str]], bindir: Path,
                          tmp_path: Path) -> None:
