@@ -13,9 +13,11 @@ Example::
 
 Modules: ``_policy`` (the cadences: a frozen :class:`SavePolicy` with an injectable clock),
 ``_resume`` (what to resume from: a pure choice over what the ranks report, and its
-collectives), ``_checkpointer`` (the object itself), ``_restore`` (its resume),
-``_fallback`` (the resume loop every integration uses: the newest checkpoint that
-verifies), ``_run`` (the run's identity and its lease on the root).
+collectives), ``_checkpointer`` (the object itself), ``_saves`` (making and settling its
+saves), ``_restore`` (its resume), ``_fallback`` (the resume loop every integration uses:
+the newest checkpoint that verifies), ``_run`` (the run's identity and its lease on the
+root, for a process group), ``_lease`` (the lease object), ``_run_marker`` (identities and
+the marker's bytes).
 """
 
 from __future__ import annotations

@@ -5,41 +5,32 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from dcp_volumes import _compat, catalog, errors
-from dcp_volumes._api import typed_errors
+from dcp_volumes import errors
 from dcp_volumes._dist import gloo_group
-from dcp_volumes.backends import StoreLocation, redact_url
+from dcp_volumes.backends import redact_url
 from dcp_volumes.checkpointer._autopilot import Autopilot, AutopilotOptions
-from dcp_volumes.checkpointer._background import Pending, watch
 from dcp_volumes.checkpointer._policy import (
     Marks,
     SaveKind,
     SavePolicy,
     check_local_only,
-    check_options,
-    check_step_format,
-    retain,
 )
 from dcp_volumes.checkpointer._restore import Restorer
 from dcp_volumes.checkpointer._run import RunGuard
+from dcp_volumes.checkpointer._saves import Saves, SaveSetup
 from dcp_volumes.config import (
     LocalTierOptions,
     RetryOptions,
     SpoolOptions,
     TransferOptions,
-    check_local_tier,
 )
 from dcp_volumes.stats import LoadStats
-from dcp_volumes.tier import DurableBase, replicate
-from dcp_volumes.writer import VolumeWriter
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -155,64 +146,58 @@ class Checkpointer:
         alone: bool = False,
     ) -> None:
         url = os.fspath(root)
-        self.storage_options = StoreLocation.parse(url, storage_options).options
-        self.root = url.rstrip("/") if url.rstrip("/") else url
-        check_options(spool=spool, transfer=transfer, retry=retry)
+        self._setup = SaveSetup.check(
+            url, storage_options=storage_options, overwrite=overwrite, spool=spool,
+            transfer=transfer, retry=retry, local_tier=local_tier, keep_last=keep_last,
+            keep_every=keep_every, step_format=step_format, step_pattern=step_pattern,
+            alone=alone, async_save=async_save)
         self._autopilot = Autopilot.create(every_seconds, local_every_seconds, autopilot, url,
                                            self.storage_options, retry, local_tier)
         self.policy = SavePolicy(every_steps, self._autopilot.every_seconds(every_seconds),
                                  local_every_steps, local_every_seconds, drain, clock)
         self.policy.check_with(local_tier=local_tier is not None, async_save=bool(async_save))
-        catalog.check_count("keep_last", keep_last)
-        catalog.check_count("keep_every", keep_every)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.async_save = bool(async_save)
-        self.overwrite = bool(overwrite)
-        self.spool, self.transfer, self.retry = spool, transfer, retry
-        self.local_tier = check_local_tier(local_tier, spool or SpoolOptions())
         self.safe_globals = tuple(safe_globals)
         self.step_format = step_format
-        self.step_pattern = catalog.compile_step_pattern(step_pattern)
-        check_step_format(step_format, self.step_pattern)
-        self.alone = bool(alone)
-        if self.alone and self.async_save:
-            raise errors.ConfigError("alone=True saves synchronously: drop async_save=True")
         self._init_state(run_id)
 
     def _init_state(self, run_id: str | None) -> None:
-        # one writer per kind of save (the staging buffers belong to the process: shared)
-        self._writers: dict[tuple[bool, bool], VolumeWriter] = {}  # (local_only, overwrite)
-        #: URLs skipped as damaged at resume: the run's next save of each replaces it
-        self._damaged: set[str] = set()
         #: this rank's :class:`~dcp_volumes.LoadStats` of the last :meth:`load_latest`
         self.last_load_stats: LoadStats | None = None
-        self._pending: Pending | None = None
         self._closed = False
         self._marks = Marks()
         self._marks.reset(self.policy.clock())
-        # the durable checkpoint the next local-only save continues (rank 0 records it)
-        self._base: DurableBase | None = None
-        self._base_known = False
-        self._lock = threading.Lock()
         # Groups: control collectives (should_save, latest, sync save, load) run on the caller's
         # thread; background saves get a group of their own so the two never interleave.
         self._distributed = not self.alone and dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
-        self._ctl_group: dist.ProcessGroup | None = None
-        self._save_group: dist.ProcessGroup | None = None
-        if self._distributed:
-            self._ctl_group = gloo_group(own=True)
-            self._save_group = gloo_group(own=True) if self.async_save else None
+        ctl = gloo_group(own=True) if self._distributed else None
+        self._ctl_group = ctl
         self._restorer = Restorer(self.root, self.storage_options, self.step_format,
                                   self.step_pattern, self.transfer, self.retry, self.safe_globals,
-                                  self.local_tier, self._ctl_group, self._distributed,
-                                  self._rank)
+                                  self.local_tier, ctl, self._distributed, self._rank)
+        self._saves = Saves(self._setup, restorer=self._restorer,
+                            autopilot=self._autopilot, ctl_group=ctl,
+                            save_group=(gloo_group(own=True) if self._distributed and self.async_save
+                                        else None),
+                            rank=self._rank, distributed=self._distributed)
         self._run = RunGuard.open(self.root, run_id, storage_options=self.storage_options,
-                                  retry=self.retry, group=self._ctl_group,
-                                  distributed=self._distributed)
+                                  retry=self.retry, group=ctl, distributed=self._distributed)
         #: this run and process (:class:`~dcp_volumes.checkpointer._run.RunIdentity`)
         self.run = self._run.identity
+
+    # what every save is made with, as checked at construction
+    root = property(lambda self: self._setup.root)
+    storage_options = property(lambda self: self._setup.storage_options)
+    keep_last = property(lambda self: self._setup.keep_last)
+    keep_every = property(lambda self: self._setup.keep_every)
+    async_save = property(lambda self: self._setup.async_save)
+    overwrite = property(lambda self: self._setup.overwrite)
+    spool = property(lambda self: self._setup.spool)
+    transfer = property(lambda self: self._setup.transfer)
+    retry = property(lambda self: self._setup.retry)
+    local_tier = property(lambda self: self._setup.local_tier)
+    step_pattern = property(lambda self: self._setup.step_pattern)
+    alone = property(lambda self: self._setup.alone)
 
     # the cadences, as the policy holds them
     every_steps = property(lambda self: self.policy.every_steps)
@@ -301,34 +286,14 @@ class Checkpointer:
             # every rank reaches that point at the same step, so all raise together.
             return False
         local = kind == "local-only"
-        self._finish_pending()
+        self._saves.finish_pending()
         if not local:  # the root is this run's (taken at the first durable save)
             self._run.claim()
         url = self.url_for(step)
-        writer = self._writer(url, local, replace=url in self._damaged)
+        writer = self._saves.writer(url, local)
         self._marks.saved(step, self.policy.clock(), durable=not local)
-        started = time.monotonic()
-        if not self.async_save:
-            with typed_errors():
-                dcp.save(state_dict, checkpoint_id=url, storage_writer=writer,
-                         process_group=self._ctl_group, **self._no_dist())
-            self._settle_save(writer, step, url, self._ctl_group)
-            replicate(self.local_tier, url, group=self._ctl_group)
-            self._autopilot.track(kind, started, writer, None)
-            return True
-        response = dcp.async_save(
-            state_dict,
-            checkpoint_id=url,
-            storage_writer=writer,
-            process_group=self._save_group,
-            **_compat.async_executor("thread"),
-        )
-        self._pending = watch(step, url, _compat.upload_future(response), self._autopilot.track(
-            kind, started, writer, lambda: self._settle_save(writer, step, url, self._save_group)))
+        self._saves.start(step, url, kind, writer, state_dict)
         return True
-
-    def _no_dist(self) -> dict[str, bool]:
-        return _compat.no_dist() if self.alone else {}
 
     def _kind(self, step: int, force: bool, local_only: bool | None) -> SaveKind | None:
         """Which save :meth:`save` makes at ``step`` (None: none is due)."""
@@ -341,83 +306,12 @@ class Checkpointer:
                 local_only = kind == "local-only" and not (self.drain and self._upload_idle())
         return "local-only" if local_only else "durable"
 
-    def _writer(self, url: str, local_only: bool, *, replace: bool = False) -> VolumeWriter:
-        """The writer of this kind of save (one per kind, kept across saves). ``replace``:
-        the step's checkpoint was skipped as damaged at resume, so this save overwrites it."""
-        overwrite = self.overwrite or (replace and not local_only)
-        if overwrite and not self.overwrite:
-            logger.warning("the checkpoint at %s was skipped as damaged when this run resumed: "
-                           "this save replaces it", redact_url(url))
-        key = (local_only, overwrite)
-        if key not in self._writers:
-            self._writers[key] = VolumeWriter(
-                url, storage_options=self.storage_options, overwrite=overwrite,
-                spool=self.spool, transfer=self.transfer, retry=self.retry,
-                local_tier=self.local_tier, local_only=local_only,
-            )
-        return self._writers[key]
-
-    def _settle_save(self, writer: VolumeWriter, step: int, url: str,
-                     group: dist.ProcessGroup | None) -> None:
-        """After DCP finished a save: ask the writer whether its local-only copy is complete
-        (every rank asks: a collective on ``group``), or record the durable commit and
-        apply retention."""
-        if writer.local_only:
-            # the save records the durable checkpoint it continues (see docs/guarantees.md)
-            if writer.local_only_result(group=group, base=self._lineage_base):
-                logger.info("local-only save of step %d written to the local tier (%s)", step,
-                            redact_url(url))
-            else:
-                logger.warning("rank %d: the local-only save of step %d could not be "
-                               "completed in the local tier: it will not be used",
-                               self._rank, step)
-            return
-        self._damaged.discard(url)
-        if writer.last_commit is not None:  # the coordinator: the next local-only save's base
-            self._base, self._base_known = writer.last_commit, True
-        self._after_commit(step, url)
-
-    def _lineage_base(self) -> DurableBase | None:
-        """The durable checkpoint a local-only save continues: the last one this
-        Checkpointer committed or loaded, else the newest in the store (looked up once)."""
-        if not self._base_known:
-            info = catalog.latest(self.root, storage_options=self.storage_options,
-                                  step_pattern=self.step_pattern, broadcast=False)
-            self._base = self._restorer.identity(info.url) if info is not None else None
-            self._base_known = True
-        return self._base
-
-    def _after_commit(self, step: int, url: str) -> None:
-        logger.info("checkpoint of step %d committed at %s", step, redact_url(url))
-        if self._rank == 0 and (self.keep_last is not None or self.keep_every is not None):
-            retain(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every,
-                   storage_options=self.storage_options, step_pattern=self.step_pattern)
-
-    def _finish_pending(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        pending.result()
-        # partner replicas of a background save: on the caller's thread (a collective on the
-        # control group, which every rank reaches here after the same save)
-        replicate(self.local_tier, pending.url, group=self._ctl_group)
-
     def _upload_idle(self) -> bool:
-        """No background save in flight (``drain``). Rank 0 decides for everyone: its save
-        settles only after the commit, which follows every rank's upload."""
-        with self._lock:
-            pending = self._pending
-        idle = pending is None or pending.done.done()
-        if self._distributed:
-            box: list[Any] = [idle]
-            dist.broadcast_object_list(box, group_src=0, group=self._ctl_group)
-            idle = bool(box[0])
-        return idle
+        return self._saves.upload_idle()
 
     def wait(self) -> None:
         """Wait for the background save in flight (if any); raise if it failed."""
-        self._finish_pending()
+        self._saves.finish_pending()
 
     # ---- resume --------------------------------------------------------------------------
     def load_latest(self, state_dict: dict[str, Any]) -> int | None:
@@ -432,15 +326,13 @@ class Checkpointer:
             IntegrityError: no complete checkpoint verified.
         """
         self._check_open()
-        self._finish_pending()
+        self._saves.finish_pending()
         started = time.monotonic()
         restored = self._restorer.restore(state_dict)
-        self._base_known = True
-        self._base = restored.base if restored is not None else None
+        self._saves.resumed(restored)
         if restored is None:
             return None
         self.last_load_stats = restored.stats
-        self._damaged = set(restored.damaged)
         self._marks.reset(self.policy.clock(), restored.step)
         self._autopilot.resumed(started, restored.step, restored.stats, restored.local_only)
         return restored.step
@@ -456,12 +348,11 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._finish_pending()
+            self._saves.finish_pending()
             self._autopilot.closed()
         finally:
             self._run.release()
-            for writer in self._writers.values():
-                writer.close()
+            self._saves.close_writers()
 
     def __enter__(self) -> Self:
         return self
