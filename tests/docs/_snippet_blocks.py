@@ -91,9 +91,10 @@ def _mark(lines: list[str], start: int) -> str | None:
 
 
 def bucket_names(page_blocks: list[Block]) -> list[str]:
-    """The S3 buckets the page's run blocks name (``s3://NAME/...``), to create before the run."""
+    """The S3 buckets the page's run blocks name (``s3://NAME/...``), to create before the run;
+    a name starting ``no-such-`` is left out (a page showing what a missing bucket does)."""
     names: set[str] = set()
     for block in page_blocks:
         if block.runs:
             names.update(re.findall(r"s3://([a-z0-9][a-z0-9.-]{2,62})", block.text))
-    return sorted(names)
+    return sorted(n for n in names if not n.startswith("no-such-"))

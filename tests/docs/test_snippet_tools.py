@@ -62,7 +62,7 @@ def test_blocks_languages_titles_and_marks(tmp_path: Path) -> None:
 
 
 def test_bucket_names_come_from_run_blocks_only(tmp_path: Path) -> None:
-    page = ("```python\nurl = 's3://my-bucket/run/step-1'\n```\n\n"
+    page = ("```python\nurl = 's3://my-bucket/run/step-1'\nmissing = 's3://no-such-bucket/x'\n```\n\n"
             "*Not run by the docs test: a real account.*\n\n```bash\naws s3 ls s3://real-one/\n```\n")
     assert bucket_names(_page(tmp_path, page)) == ["my-bucket"]
 
