@@ -18,7 +18,8 @@ in the order listed. Here:
   (:mod:`dcp_volumes._metacheck`), whose shape DCP's planner checks against the caller's
   own tensor. A frame that claims, or inflates to, more than the bound is an
   :class:`~dcp_volumes.errors.IntegrityError` before that memory is allocated, so a small
-  crafted item cannot exhaust memory. A custom transform's stream is read in pieces and
+  crafted item cannot exhaust memory (the zstd decoders: :mod:`~dcp_volumes.transfer._zstd`;
+  export decodes with the same bounds). A custom transform's stream is read in pieces and
   stopped past the same bound. The decoded item is a ``torch.save`` zip, whose
   per-record CRC-32 (written by torch by default) is checked (:func:`check_zip_crcs`):
   torch's own zip reader does not check it, and torch's zstd frames carry no checksum.
@@ -26,7 +27,6 @@ in the order listed. Here:
 
 from __future__ import annotations
 
-import importlib
 import io
 import math
 import struct
@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dcp_volumes import errors
+from dcp_volumes.transfer._zstd import decode_zstd, zstd_module
 
 __all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "READER_HOW", "TENSOR_OVERHEAD", "check_transforms",
            "check_zip_crcs", "checked_registry", "decode", "decode_bound", "decoded_limit"]
@@ -50,7 +51,6 @@ TENSOR_OVERHEAD = 64 * 2**10
 MAX_RATIO = 32768
 
 _ZSTD = "stream.zstd"
-_INSTALL = "pip install zstandard"
 
 
 def _parse(descriptor: object, what: str) -> tuple[str, str]:
@@ -60,17 +60,6 @@ def _parse(descriptor: object, what: str) -> tuple[str, str]:
             ".metadata is damaged or was not written by torch")
     name, _, version = descriptor.partition("/")
     return name, version
-
-
-def _zstd_module(what: str, descriptor: str) -> Any:
-    for module in ("zstandard", "pyzstd"):
-        try:
-            return importlib.import_module(module)
-        except ImportError:
-            continue
-    raise errors.UnsupportedTransformError(
-        f"{what} is compressed with torch's ZStandard extension ({descriptor!r}), and "
-        f"neither zstandard nor pyzstd is installed: {_INSTALL}")
 
 
 #: where a load takes the registry (what the errors tell a user to do)
@@ -107,7 +96,7 @@ def check_transforms(descriptors: Sequence[str], what: str, registry: Any = None
             raise errors.UnsupportedTransformError(
                 f"{what} was written with version {version!r} of {_ZSTD!r}; dcp_volumes "
                 "decodes version 1: upgrade dcp_volumes")
-        _zstd_module(what, descriptor)
+        zstd_module(what, descriptor)
         out.append(descriptor)
     return tuple(out)
 
@@ -183,11 +172,7 @@ def decode(descriptors: Sequence[str], data: memoryview, *, limit: int, what: st
             out = memoryview(_custom(_extension(registry, descriptor, what), out, bound,
                                      what, descriptor))
             continue
-        module = _zstd_module(what, descriptor)
-        if module.__name__ == "zstandard":
-            out = memoryview(_zstandard(module, out, bound, what))
-        else:
-            out = memoryview(_pyzstd(module, out, bound, what))
+        out = memoryview(decode_zstd(zstd_module(what, descriptor), out, bound, what))
     return out
 
 
@@ -221,59 +206,6 @@ def _custom(extension: Any, data: memoryview, limit: int, what: str, descriptor:
             f"{what}: its {descriptor!r} stream decodes to more than the {limit} bytes its "
             "metadata and its stored size allow: the stored bytes are damaged or crafted; "
             "refusing to decode it")
-    return bytes(out)
-
-
-def _bomb(what: str, why: str, limit: int) -> errors.IntegrityError:
-    return errors.IntegrityError(
-        f"{what}: its zstd stream {why}, more than the {limit} bytes its metadata and its "
-        "stored size allow: the stored bytes are damaged or crafted; refusing to decode it")
-
-
-def _corrupt(what: str, exc: BaseException) -> errors.IntegrityError:
-    return errors.IntegrityError(
-        f"{what}: its zstd stream cannot be decoded ({exc}): the stored bytes are corrupt")
-
-
-def _zstandard(zstd: Any, data: memoryview, limit: int, what: str) -> bytes:
-    try:
-        claimed = zstd.frame_content_size(data)
-    except zstd.ZstdError as exc:
-        raise _corrupt(what, exc) from exc
-    # the one-shot decoder allocates what the frame claims, so the claim is checked first;
-    # without one it allocates max_output_size and fails beyond it
-    if claimed > limit:
-        raise _bomb(what, f"claims {claimed} bytes", limit)
-    try:
-        return bytes(zstd.ZstdDecompressor().decompress(data, max_output_size=max(limit, 1)))
-    except zstd.ZstdError as exc:
-        if claimed < 0 and "full frame" in str(exc):
-            # a complete frame that does not fit, or a truncated one: both refused
-            raise errors.IntegrityError(
-                f"{what}: its zstd stream is truncated or decodes to more than the {limit} "
-                "bytes its metadata and its stored size allow: the stored bytes are damaged "
-                "or crafted") from exc
-        raise _corrupt(what, exc) from exc
-
-
-def _pyzstd(pyzstd: Any, data: memoryview, limit: int, what: str) -> bytes:
-    decompressor = pyzstd.EndlessZstdDecompressor()
-    out = bytearray()
-    source: Any = data
-    try:
-        while True:
-            piece = decompressor.decompress(source, max_length=limit + 1 - len(out))
-            source = b""
-            out += piece
-            if len(out) > limit:
-                raise _bomb(what, "inflates", limit)
-            if not piece and decompressor.needs_input:
-                break
-    except pyzstd.ZstdError as exc:
-        raise _corrupt(what, exc) from exc
-    if not decompressor.at_frame_edge:
-        raise errors.IntegrityError(f"{what}: its zstd stream is truncated: the stored "
-                                    "bytes are damaged")
     return bytes(out)
 
 

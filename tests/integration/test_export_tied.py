@@ -23,6 +23,7 @@ from safetensors import safe_open
 from dcp_volumes import errors
 from dcp_volumes.config import MiB
 from dcp_volumes.export import export_safetensors
+from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.testing.suite import Store
 
 transformers = pytest.importorskip("transformers")
@@ -120,6 +121,35 @@ def test_keep_tied_writes_the_duplicate(store: Store, seaweedfs: Any,
     assert out.returncode == 0, out.stderr
     assert f"left out 1 tied duplicate: {HEAD} (= {EMBED})" in out.stdout
     assert _names(tmp_path / "cli") == _names(reference)
+
+
+def _export_on_ranks(rank: int, world: int, src: str, dest: str, opts: dict[str, Any],
+                     tied: Any) -> Any:
+    return export_safetensors(src, dest, prefix="model.", max_shard_size="20KB", tied=tied,
+                              storage_options=opts).to_dict()
+
+
+def test_two_ranks_leave_out_what_one_rank_does(store: Store, tied: tuple[Any, str, Path],
+                                                tmp_path: Path) -> None:
+    # rank 0 proves the tie and sends its answer: every rank plans the same files
+    model, src, reference = tied
+    one = export_safetensors(src, tmp_path / "one", prefix="model.", max_shard_size="20KB",
+                             storage_options=store.storage_options)
+    reports = run_ranks(2, _export_on_ranks, src, str(tmp_path / "two"),
+                        store.storage_options, "auto", timeout=180)
+    assert [r["tied"] for r in reports] == [[[HEAD, EMBED]]] * 2
+    assert all(r["bytes_written"] > 0 for r in reports)  # the files were split across ranks
+    assert reports[0]["files"] == list(one.files) and len(one.files) > 2
+    assert _names(tmp_path / "two") == _names(tmp_path / "one") == _names(reference)
+    assert torch.equal(_logits(_reload(tmp_path / "two", model)), _logits(model))
+    # a declared tie that rank 0 finds false fails every rank, typed, before any write
+    differ = {"model.layers.1.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight"}
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(2, _export_on_ranks, src, str(tmp_path / "bad"), store.storage_options,
+                  differ, timeout=180)
+    for rank in (0, 1):
+        assert f"rank {rank}: ConfigError: tied= ties" in str(failed.value), failed.value
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
 
 
 def test_an_untied_model_keeps_its_lm_head(store: Store, tmp_path: Path) -> None:
