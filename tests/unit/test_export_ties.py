@@ -1,15 +1,19 @@
 """Which tensors an export leaves out as tied duplicates (``dcp_volumes.export._ties``, pure):
 declared ties are checked against the exported names, dtypes and shapes and must be proven
 by equal bytes; ``"auto"`` only ever considers ``lm_head.weight`` and keeps it unless exactly
-one tensor of its dtype and shape equals it; nothing is left out on equal bytes alone."""
+one tensor of its dtype and shape equals it; nothing is left out on equal bytes alone. And the
+CLI's ``--keep-tied``/``--tie``/``--extension`` are checked before any work."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from _cli import run_cli
 
 from dcp_volumes import errors
+from dcp_volumes.cli._exit import EXIT_USAGE
 from dcp_volumes.export._plan import PlannedTensor, SourceItem, plan_export
 from dcp_volumes.export._ties import candidates, checked_tied, resolve
 
@@ -95,3 +99,15 @@ def test_tied_option_is_checked(tied: object) -> None:
 def test_plan_refuses_a_tie_to_a_tensor_not_exported() -> None:
     with pytest.raises(errors.ConfigError, match="not exported"):
         plan_export(ITEMS, tied={"lm_head.weight": "nope"})
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--keep-tied", "--tie", "lm_head.weight=embed.weight"], "pass one of them"),
+    (["--tie", "lm_head.weight"], "expected NAME=KEPT"),
+    (["--extension", "no_such_module_here:Rot13"], "cannot be registered"),
+], ids=["keep-and-tie", "tie-not-a-pair", "extension-not-importable"])
+def test_cli_tie_and_extension_flags_are_checked_first(tmp_path: Path, args: list[str],
+                                                        match: str) -> None:
+    result = run_cli("export", str(tmp_path / "no-checkpoint"), str(tmp_path / "hf"), *args)
+    assert result.returncode == EXIT_USAGE and match in result.stderr, result.stderr
+    assert not (tmp_path / "hf").exists()
