@@ -7,12 +7,13 @@ initialised Llama with :class:`~dcp_volumes.integrations.huggingface.VolumeTrain
 newest complete checkpoint in the store and finish; a third run trains all 8 steps without
 stopping. The resumed run's losses and final weights must equal the uninterrupted run's.
 
-What changes in a training script, against the plain ``Trainer`` (3 lines)::
+What changes in a training script, against the plain ``Trainer`` (4 lines; every run, the
+first one included, is the same code)::
 
     from dcp_volumes.integrations.huggingface import VolumeTrainer        # 1
     trainer = VolumeTrainer(model=model, args=args, train_dataset=ds,      # 2 (was Trainer)
                             checkpoint_root="s3://bucket/run-42")          # 3
-    trainer.train(resume_from_checkpoint=True)                             # (unchanged)
+    trainer.train(resume_from_checkpoint=trainer.resume_path())            # 4 (None: fresh)
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dcp_volumes.testing.servers import start_server
 STEPS = 8
 
 
-def train(rank: int, world: int, root: str, options: dict[str, Any], stop_at: int | None,
-          resume: bool) -> dict[str, Any]:
+def train(rank: int, world: int, root: str, options: dict[str, Any], stop_at: int | None
+          ) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
     from dcp_volumes.integrations.huggingface import VolumeTrainer
@@ -58,7 +59,7 @@ def train(rank: int, world: int, root: str, options: dict[str, Any], stop_at: in
         trainer = VolumeTrainer(model=model, args=args, train_dataset=data,
                                 callbacks=[StopAt()], checkpoint_root=root,
                                 storage_options=options)
-        trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=trainer.resume_path())  # None on a first run
     return {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
             "weights": {k: v.detach().numpy().copy()
                         for k, v in trainer.model.state_dict().items()}}
@@ -71,13 +72,13 @@ def main() -> int:
         bucket = server.create_bucket("dcpv-hf-demo")
         options = server.storage_options()
         run = f"{bucket}/run-1"
-        run_ranks(2, train, run, options, STEPS // 2, False)
+        run_ranks(2, train, run, options, STEPS // 2)
         print("stopped at step 4:", [(i.name, i.status) for i in catalog.list_checkpoints(
             run, storage_options=options, step_pattern=r"^checkpoint-(?P<step>\d+)$")])
-        resumed = run_ranks(2, train, run, options, None, True)[0]
+        resumed = run_ranks(2, train, run, options, None)[0]
         print("resumed and finished:", [(i.name, i.status) for i in catalog.list_checkpoints(
             run, storage_options=options, step_pattern=r"^checkpoint-(?P<step>\d+)$")])
-        straight = run_ranks(2, train, f"{bucket}/run-2", options, None, False)[0]
+        straight = run_ranks(2, train, f"{bucket}/run-2", options, None)[0]
     same_loss = resumed["losses"] == straight["losses"]
     same_weights = all(v.tobytes() == resumed["weights"][k].tobytes()
                        for k, v in straight["weights"].items())

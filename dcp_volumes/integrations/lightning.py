@@ -131,6 +131,8 @@ class _Volumes:
         self.options = options
         # made on first use: the Checkpointer creates process groups (every rank, once)
         self._checkpointer: Checkpointer | None = None
+        #: what resume_path() returned last: loading it falls back past damaged checkpoints
+        self.found: str | None = None
         #: the step this process saved last (a second save of it is skipped)
         self.last_step: int | None = None
 
@@ -157,21 +159,40 @@ class _Volumes:
         return True
 
     def resume_path(self) -> str | None:
-        return latest_checkpoint(self.root, storage_options=self.storage_options)
+        self.found = latest_checkpoint(self.root, storage_options=self.storage_options)
+        return self.found
+
+    def target(self, path: Any, broadcast: Callable[[Any], Any]) -> tuple[str, bool]:
+        """The URL every rank loads (rank 0's) and whether it is what :meth:`resume_path`
+        found (then a damaged checkpoint there is skipped for the next older one)."""
+        url = os.fspath(path)
+        url, newest = broadcast((url, url == self.found))
+        return os.fspath(url), bool(newest)
 
     def load(self, url: str, module: Module, module_key: str,
              optimizers: Mapping[str, Optimizer], *, strict: bool,
-             weights_only: bool | None) -> dict[str, Any]:
+             weights_only: bool | None, newest: bool = False) -> dict[str, Any]:
         """Load model and optimizer shards into ``module`` / ``optimizers`` (resharding as DCP
-        does) and return Lightning's metadata, in one ``dcp.load``."""
+        does) and return Lightning's metadata, in one ``dcp.load``. ``newest``: ``url`` is
+        what :meth:`resume_path` found; load the newest complete checkpoint whose data
+        verifies instead (the Checkpointer's resume loop: a damaged one is skipped with a
+        WARNING, and the run's next save of its step replaces it)."""
         state: dict[str, Any] = {module_key: get_model_state_dict(module)}
         for key, optim in optimizers.items():
             state[key] = get_optimizer_state_dict(module, optim)
         state[META_KEY] = b""
         ckpt = self.checkpointer
-        dcp_volumes.load(state, url, storage_options=self.storage_options,
-                         transfer=ckpt.transfer, retry=ckpt.retry,
-                         safe_globals=ckpt.safe_globals)
+        if newest:
+            step = ckpt.load_latest(state)
+            if step is None:
+                raise errors.CheckpointNotFoundError(
+                    f"{redact_url(url)} is gone: no complete checkpoint under "
+                    f"{redact_url(self.root)}; call resume_path() again")
+            url = self.url_for(step)
+        else:
+            dcp_volumes.load(state, url, storage_options=self.storage_options,
+                             transfer=ckpt.transfer, retry=ckpt.retry,
+                             safe_globals=ckpt.safe_globals)
         set_model_state_dict(module, state[module_key], options=StateDictOptions(strict=strict))
         for key, optim in optimizers.items():
             set_optimizer_state_dict(module, optim, optim_state_dict=state[key],
@@ -268,13 +289,14 @@ class VolumeModelParallelStrategy(_Located, _TrainerModelParallel):
     def load_checkpoint(self, checkpoint_path: Any,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved by :meth:`save_checkpoint` (a URL) into the model and
-        optimizers; return what Lightning restores the rest from."""
-        url = _broadcast_str(checkpoint_path, self.broadcast)
+        optimizers; return what Lightning restores the rest from. The URL
+        :meth:`resume_path` returned resumes from the newest checkpoint that verifies."""
+        url, newest = self.volumes.target(checkpoint_path, self.broadcast)
         assert self.lightning_module is not None and self.model is not None
         optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)}
         return self.volumes.load(url, self.model, "state_dict", optimizers,
                                  strict=self.lightning_module.strict_loading,
-                                 weights_only=weights_only)
+                                 weights_only=weights_only, newest=newest)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Nothing: what is kept is ``keep_last`` / ``keep_every`` (applied after each save)."""
@@ -337,15 +359,23 @@ class VolumeFabricModelParallelStrategy(_Located, _FabricModelParallel):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint saved by :meth:`save_checkpoint` into ``state`` (modules and
-        optimizers in place, other keys replaced); return the metadata not asked for."""
+        optimizers in place, other keys replaced); return the metadata not asked for.
+
+        ``path`` ``None`` (what :meth:`resume_path` returns when nothing is stored yet) loads
+        nothing and returns ``{}``: ``fabric.load(strategy.resume_path(), state)`` is the
+        same line on a first run and on a resume. The URL :meth:`resume_path` returned
+        resumes from the newest checkpoint that verifies (a damaged one is skipped)."""
+        if path is None:
+            logger.info("no checkpoint to resume from: starting fresh")
+            return {}
         if not isinstance(state, dict) or not state:
             raise TypeError("fabric.load(path, state) needs a dict state holding the model")
-        url = _broadcast_str(path, self.broadcast)
+        url, newest = self.volumes.target(path, self.broadcast)
         module = _one_module(state)
         key = next(k for k, v in state.items() if v is module)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         meta = self.volumes.load(url, module, key, optimizers, strict=strict,
-                                 weights_only=weights_only)
+                                 weights_only=weights_only, newest=newest)
         wanted = state.keys() - {key} - optimizers.keys()
         missing = sorted(k for k in wanted if k not in meta)
         if strict and missing:

@@ -102,12 +102,16 @@ def _train(root: str, options: dict[str, Any], tmp: str, *, resume: str | bool |
     trainer = _trainer_class(die_at)(
         model=_model(), args=args, train_dataset=_dataset(), callbacks=[record],
         checkpoint_root=root, storage_options=options, async_save=async_save)
+    if resume == "resume_path":  # issue 26: the one spelling, first run or not
+        resume = trainer.resume_path()
+        record.resume_path = resume
     trainer.train(resume_from_checkpoint=resume)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     # numpy, not tensors: tensors cross the result queue as shared memory of a process that
     # may be gone before the parent reads them
     weights = {k: v.detach().numpy().copy() for k, v in trainer.model.state_dict().items()}
-    return {"start": record.start_step, "losses": losses, "weights": weights,
+    return {"start": record.start_step, "resume_path": getattr(record, "resume_path", "-"),
+            "losses": losses, "weights": weights,
             "lr": trainer.lr_scheduler.get_last_lr()[0]}
 
 
@@ -200,7 +204,7 @@ def _reference_then_killed(rank: int, world: int, roots: dict[str, str], acc_url
     AcceleratorState._reset_state(reset_partial_state=False)  # the Trainer makes its own
     out: dict[str, Any] = {"accelerate": accelerate,
                            "train": _train(roots["ref"], options, f"{tmp}/ref-{rank}",
-                                           resume=None)}
+                                           resume="resume_path")}
     try:
         _train(roots["killed"], options, f"{tmp}/killed-{rank}", resume=None,
                die_at=2 * SAVE_STEPS)
@@ -238,7 +242,7 @@ def _guarded(rank: int, world: int, roots: dict[str, str], options: dict[str, An
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("dcp_volumes").addHandler(handler)
-    out["flipped"] = _train(roots["ref"], options, f"{tmp}/flipped", resume=True,
+    out["flipped"] = _train(roots["ref"], options, f"{tmp}/flipped", resume="resume_path",
                             batch=2 * BATCH)
     out["warnings"] = warnings
     return out
@@ -324,6 +328,13 @@ def test_retention_keeps_save_total_limit(runs: dict[str, Any]) -> None:
     assert runs["ref"]["start"] == 0
 
 
+def test_resume_path_is_none_on_a_first_run_and_trains_fresh(runs: dict[str, Any]) -> None:
+    """Issue 26: train(resume_from_checkpoint=trainer.resume_path()) on an empty root starts
+    fresh (train(resume_from_checkpoint=True) raises there, as the Trainer does)."""
+    assert runs["ref"]["resume_path"] is None
+    assert sorted(runs["ref"]["losses"]) == list(range(1, TOTAL_STEPS + 1))
+
+
 def test_killed_save_is_skipped_and_resume_equals_uninterrupted(runs: dict[str, Any]) -> None:
     """Rank 1 dies inside the save of step 4: the survivor's save fails, checkpoint-4 stays
     incomplete next to a complete checkpoint-2; new processes resume from checkpoint-2 (one
@@ -387,6 +398,8 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(runs: dict[str, Any
     an IntegrityError. The run resumes from the newest one that verifies (checkpoint-4),
     says which it skipped and why, and trains on as the reference run did."""
     got, ref = runs["guarded"]["flipped"], runs["ref"]
+    # resume_path() names the newest (damaged) one; train falls back from it
+    assert got["resume_path"].endswith("/ref/checkpoint-6"), got["resume_path"]
     assert got["start"] == 4
     skipped = [m for m in runs["guarded"]["warnings"] if "checkpoint-6" in m]
     assert skipped and "damaged" in skipped[0] and "checksum" in skipped[0].lower(), skipped

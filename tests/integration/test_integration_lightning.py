@@ -249,14 +249,39 @@ def _fabric_round_trip(rank: int, world: int, root: str, options: dict[str, Any]
         return float(loss.detach())
 
     net, opt = make()
+    # issue 26: the documented line on a first run (nothing stored yet) loads nothing
+    first = {"model": net, "optim": opt, "step": 0}
+    first_rest = fabric.load(strategy.resume_path(), first)
     for _ in range(2):
         step(net, opt)
     fabric.save(strategy.url_for(2), {"model": net, "optim": opt, "step": 2, "note": "a"})
+    # the same state again as step 3, then damaged behind the writer's back: complete (so
+    # resume_path() names it), but its data fails its checksum
+    fabric.save(strategy.url_for(3), {"model": net, "optim": opt, "step": 3, "note": "a"})
+    if rank == 0:
+        _flip_a_byte(strategy.url_for(3), options)
+    fabric.barrier()
+    named = strategy.resume_path()
     net2, opt2 = make()
     state = {"model": net2, "optim": opt2, "step": 0}
-    rest = fabric.load(strategy.resume_path(), state)
-    return {"step": state["step"], "rest": rest, "next": step(net, opt),
+    rest = fabric.load(named, state)  # step 3 is skipped with a WARNING; step 2 loads
+    # the run's next save of the damaged step replaces it (not refused as existing)
+    fabric.save(strategy.url_for(3), {"model": net2, "optim": opt2, "step": 3, "note": "b"})
+    return {"first_rest": first_rest, "first_step": first["step"], "named": named,
+            "resaved": strategy.resume_path(),
+            "step": state["step"], "rest": rest, "next": step(net, opt),
             "next_loaded": step(net2, opt2)}
+
+
+def _flip_a_byte(url: str, options: dict[str, Any]) -> None:
+    """Flip one byte of the checkpoint's first shard file, behind the writer's back."""
+    import fsspec
+
+    fs, path = fsspec.url_to_fs(url, skip_instance_cache=True, **options)
+    shard = min(p for p in fs.find(path) if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[5] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
 
 
 def _killed_run(rank: int, world: int, root: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -365,6 +390,11 @@ def test_checkpoint_io_round_trip_single_device(scenario: dict[str, Any]) -> Non
 
 def test_fabric_save_and_load_round_trip(scenario: dict[str, Any]) -> None:
     for out in scenario["fabric"]:
+        # fabric.load(strategy.resume_path(), state) on an empty root: nothing loaded
+        assert out["first_rest"] == {} and out["first_step"] == 0
+        # resume_path() named the damaged step 3; the load fell back to step 2
+        assert out["named"].endswith(_step(3)) and out["step"] == 2
+        assert out["resaved"].endswith(_step(3))  # replaced by the next save of step 3
         assert out["step"] == 2
         assert out["rest"] == {"note": "a"}  # metadata not asked for comes back
         assert out["next_loaded"] == out["next"]

@@ -233,6 +233,32 @@ def job_resumed_state(rank: int, world: int, url: str, options: dict[str, Any]
     return full
 
 
+def job_last_step(rank: int, world: int, url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The docs' CPU route (issue 26): ``VolumeCheckpointManager.Config(...).build(...)``
+    as torchtitan's trainer.py builds it, no parser. A first run (``load()`` is False: a
+    fresh start) saves 1-3 with ``keep_latest_k=2``, the last with ``last_step=True``; a
+    second manager resumes from 3 and saves 4 (not a last step)."""
+    listed: dict[str, Any] = {}
+    for first, steps in ((True, (1, 2, 3)), (False, (4,))):
+        config = VolumeCheckpointManager.Config(
+            enable=True, folder=url, interval=1, keep_latest_k=2, last_save_model_only=False,
+            storage_options=options)
+        model, optimizers, schedulers, manager, state = _build(world, config)
+        listed["loaded" if first else "resumed"] = (manager.load(), state.step)
+        for step in steps:
+            _loss(model, step, world)
+            optimizers.step()
+            schedulers.step()
+            optimizers.zero_grad()
+            state.step = step
+            manager.save(step, last_step=step == 3)
+        manager.close()  # joins the purge thread: retention has run
+        listed["after_first" if first else "after_second"] = [
+            i.name for i in catalog.list_checkpoints(url, storage_options=options)
+            if i.complete]
+    return listed
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -315,6 +341,21 @@ def test_train_kill_resume_reshard(seaweedfs) -> None:
     # ... and its pinned-memory-mode save (process executor) committed step 8, which loads
     newest = catalog.latest(url, storage_options=store.storage_options)
     assert newest is not None and newest.name == "step-8"
+
+
+
+def test_last_step_save_is_not_purged_and_the_cpu_route_starts_fresh(seaweedfs) -> None:
+    """What docs/integrations/torchtitan.md states: torchtitan's ``save(step,
+    last_step=True)`` returns before it queues the purge, so ``keep_latest_k=2`` leaves 3
+    complete checkpoints after a run's last save; the next run's first save purges to 2.
+    And the manager built without torchtitan's Trainer starts fresh on an empty folder."""
+    store = seaweedfs.store()
+    url = store.url("titan-last")
+    got = run_ranks(1, job_last_step, url, store.storage_options, label="last step")[0]
+    assert got["loaded"] == (False, 0)  # nothing stored: load() is False, a fresh start
+    assert got["after_first"] == ["step-1", "step-2", "step-3"]  # 3 with keep_latest_k=2
+    assert got["resumed"] == (True, 3)  # the last step's checkpoint holds the whole state
+    assert got["after_second"] == ["step-3", "step-4"]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,12 +29,13 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch.distributed as dist
 from transformers import Trainer
 
-from dcp_volumes import _api, errors
+from dcp_volumes import _api, catalog, errors
 from dcp_volumes._dist import gloo_group
 from dcp_volumes.backends import parse_url, redact_url
 from dcp_volumes.checkpointer import Checkpointer, candidates, load_newest
@@ -72,7 +73,9 @@ class VolumeTrainer(Trainer):
 
     ``save_steps`` / ``save_strategy`` decide when to save (as usual); ``save_total_limit``
     keeps the newest N complete checkpoints. ``output_dir`` stays a local directory for logs
-    and ``save_model``. ``train(resume_from_checkpoint=True)`` resumes from the newest
+    and ``save_model``. ``train(resume_from_checkpoint=trainer.resume_path())`` starts fresh
+    when nothing is stored yet and resumes from the newest complete checkpoint otherwise.
+    ``train(resume_from_checkpoint=True)`` resumes from the newest
     complete checkpoint under ``checkpoint_root`` (raising
     :class:`~dcp_volumes.errors.CheckpointNotFoundError` when there is none, as the Trainer
     raises when ``output_dir`` has none); a string is the URL of one checkpoint to resume
@@ -121,6 +124,8 @@ class VolumeTrainer(Trainer):
         }
         self._resume: _Resume | None = None
         self._began = False
+        #: what resume_path() found last: its URL passed to train() resumes with fallback
+        self._found: catalog.CheckpointInfo | None = None
         # made now, on every process (it creates process groups): a missing bucket fails here
         self.checkpointer = Checkpointer(
             self.checkpoint_root, keep_last=self.args.save_total_limit,
@@ -173,6 +178,20 @@ class VolumeTrainer(Trainer):
         self.checkpointer.save(self.state.global_step, self.checkpoint_state(), force=True)
 
     # ---- resume ----------------------------------------------------------------------------
+    def resume_path(self) -> str | None:
+        """The URL of the newest complete checkpoint under ``checkpoint_root``, or ``None``
+        when there is none: ``trainer.train(resume_from_checkpoint=trainer.resume_path())``
+        starts fresh on a first run and resumes on the next ones.
+
+        One listing, on rank 0, broadcast (every process calls this: the answer is the same
+        on all of them). When the data of the checkpoint it names turns out damaged while
+        ``train`` loads it, ``train`` goes on to the next older complete one, as for
+        ``resume_from_checkpoint=True``.
+        """
+        self._found = catalog.latest(self.checkpoint_root, storage_options=self._storage_options,
+                                     step_pattern=STEP_PATTERN, process_group=self._group)
+        return self._found.url if self._found is not None else None
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint`` is ``True`` (the newest complete
@@ -188,20 +207,35 @@ class VolumeTrainer(Trainer):
 
     def _train_resumed(self, resume: str | bool, *args: Any, **kwargs: Any) -> Any:
         """The stock ``train`` from the checkpoint named, or from the newest one under the
-        root that verifies (the Checkpointer's resume loop)."""
+        root that verifies (the Checkpointer's resume loop; also for the URL that
+        :meth:`resume_path` returned)."""
+        found: Iterator[catalog.CheckpointInfo]
         if isinstance(resume, str):
             parse_url(resume)
-            return self._train_from(resume, *args, **kwargs)
-        found = candidates(self.checkpoint_root, storage_options=self._storage_options,
-                           step_pattern=STEP_PATTERN, process_group=self._group)
+            if self._found is None or resume != self._found.url:
+                return self._train_from(resume, *args, **kwargs)
+            found = self._from_found(self._found)
+        else:
+            found = candidates(self.checkpoint_root, storage_options=self._storage_options,
+                               step_pattern=STEP_PATTERN, process_group=self._group)
         loaded = load_newest(
             found, lambda info: self._train_from(info.url, *args, **kwargs),
             while_loading=lambda: not self._began)
         if loaded is None:
             raise errors.CheckpointNotFoundError(
                 f"no complete checkpoint under {redact_url(self.checkpoint_root)} to resume "
-                "from: train without resume_from_checkpoint=True for a first run")
+                "from: pass resume_from_checkpoint=trainer.resume_path(), which is None (start "
+                "fresh) when nothing is stored yet")
         return loaded[1]
+
+    def _from_found(self, first: catalog.CheckpointInfo) -> Iterator[catalog.CheckpointInfo]:
+        """What :meth:`resume_path` found, then (only when it is damaged) the older complete
+        checkpoints, listed again on rank 0 and broadcast."""
+        yield first
+        older = candidates(self.checkpoint_root, storage_options=self._storage_options,
+                           step_pattern=STEP_PATTERN, process_group=self._group)
+        yield from (i for i in older if i.step is not None and first.step is not None
+                    and i.step < first.step)
 
     def _train_from(self, url: str, *args: Any, **kwargs: Any) -> Any:
         """The stock ``train``, resuming from checkpoint ``url``."""
