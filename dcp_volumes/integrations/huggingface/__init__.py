@@ -16,7 +16,7 @@ Example::
 
     trainer = VolumeTrainer(model=model, args=args, train_dataset=ds,
                             checkpoint_root="s3://bucket/run-42")
-    trainer.train(resume_from_checkpoint=True)
+    trainer.train(resume_from_checkpoint=trainer.resume_path())  # None: start fresh
 
 Modules: ``_state`` (model/optimizer/RNG state, framework-neutral), ``_accelerate``,
 ``_trainer``. See ``docs/integrations/huggingface.md``.
