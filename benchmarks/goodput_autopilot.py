@@ -3,25 +3,29 @@
 A real training job (``benchmarks/goodput_worker.py``: 2 gloo ranks, a fixed step time, a
 state of ``--state-mib`` MiB per rank saved synchronously through a ``Checkpointer`` to a local
 SeaweedFS behind the s3-like proxy, 30 ms before every response and 10 MB/s per connection)
-runs for a fixed wall-clock budget per configuration. Failures are a Poisson process: after
-each launch the harness draws an exponential time of mean ``--mttf`` and SIGKILLs every rank
-then, and relaunches them (warm spares, which resume through ``load_latest``). Goodput is the
-progress kept, ``final step × step time ÷ wall time``, the wall time from the job's first
-start of training (the first launch is no failure's cost) and the step time the one measured
-in the run (the 0.1 s sleep overshoots on a loaded machine; ``goodput_stated`` uses 0.1 s and
-the whole budget).
+runs for ``--budget`` seconds per configuration from its first start of training. Failures are
+a Poisson process of mean ``--mttf`` drawn once per seed (``goodput_launch.failure_schedule``):
+every configuration of a seed has every rank SIGKILLed at the *same* times after its first
+start of training (common random numbers), then relaunched at once (warm spares, which resume
+through ``load_latest``); a failure that lands during a restart kills the restarting job.
+So within a seed the configurations differ by their interval only, and per-seed differences
+between configurations are paired. Goodput is the progress kept, ``final step × step time ÷
+wall time``, the step time the one measured in the run (``goodput_stated`` uses the nominal
+0.1 s).
 
 Configurations, interleaved (each seed runs them all, in rotated order): fixed intervals --
 too frequent, too rare, and the offline Young optimum from a calibration run's ``δ`` and the
-injected ``M`` -- and ``auto`` given the injected rate as its prior. Beside each measured
-goodput, the model's prediction from that run's own measured ``δ`` (median save blocking)
-and ``R`` (median launch to training): first order ``τ/(τ+δ)·(1 − (R + (τ+δ)/2)/M)`` and
-Daly's exponential model ``τ / (M·e^(R/M)·(e^((τ+δ)/M) − 1))`` (which also counts failures
-during a restart and a second failure in one interval, both frequent at this ``M``)::
+injected ``M`` -- and ``auto`` given the injected rate as its prior. Each row records the
+run's kill times, the progress at each kill, its launches and the machine's load average;
+``goodput_accounting`` splits each run's wall time into restart, first-save extra, saves,
+lost work and useful work, measured from its events and predicted by the model at the run's
+own failure count, ``δ``, ``R`` and cadence::
 
-    python benchmarks/goodput_autopilot.py --budget 90 --seeds 3 --mttf 40
+    python benchmarks/goodput_autopilot.py --budget 120 --seeds 6 --mttf 40 \
+        --out benchmarks/results/goodput-autopilot-crn.jsonl \
+        --events-dir benchmarks/results/goodput-crn-events --plot goodput.png
 
-Prints one JSON line per run (and writes them to ``--out``) and a markdown table.
+Prints one JSON line per run (and writes them to ``--out``) and the markdown tables.
 """
 
 from __future__ import annotations
@@ -31,137 +35,104 @@ import itertools
 import json
 import math
 import os
-import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-import zlib
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from goodput_accounting import steady_delta  # type: ignore[import-not-found]
+from goodput_launch import (  # type: ignore[import-not-found]
+    Load,
+    Spares,
+    failure_schedule,
+    kill,
+    read_step,
+    wait_trained,
+)
 from goodput_report import predict  # type: ignore[import-not-found]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "goodput_worker.py")
 _PROFILE = (0.030, 10e6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        p.wait()
-
-
-class Spares:
-    """Worker pairs started ahead (``depth`` of them), imported and waiting to be released:
-    a restart takes a ready pair while the next one imports."""
-
-    def __init__(self, log: str, depth: int = 2) -> None:
-        self.log = log
-        self.pairs = [self._start() for _ in range(depth)]
-
-    def _start(self) -> list[subprocess.Popen[bytes]]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with open(self.log, "ab") as err:
-            return [subprocess.Popen([sys.executable, WORKER], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=err,
-                                     start_new_session=True) for _ in range(2)]
-
-    def launch(self, cfg: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
-        """Release the oldest waiting pair into the job ``cfg``; start another."""
-        pair = self.pairs.pop(0)
-        self.pairs.append(self._start())
-        port = _free_port()
-        for rank, proc in enumerate(pair):
-            assert proc.stdin is not None
-            proc.stdin.write((json.dumps({**cfg, "rank": rank, "port": port}) + "\n").encode())
-            proc.stdin.flush()
-        return pair
-
-    def close(self) -> None:
-        for pair in self.pairs:
-            _kill(pair)
-
-
 def run_once(args: argparse.Namespace, cfg: dict[str, Any], seed: int, store: dict[str, Any],
-             budget: float, mttf: float | None, spares: Spares) -> dict[str, Any]:
-    """One configuration for ``budget`` seconds, failures every Exp(``mttf``) after each
-    launch (None: no failures)."""
-    rng = random.Random(seed * 1000 + zlib.crc32(cfg["name"].encode()) % 1000)
-    tmp = tempfile.mkdtemp(prefix="goodput-")
+             budget: float, kills_at: list[float], spares: Spares) -> dict[str, Any]:
+    """One configuration for ``budget`` seconds from its first start of training, every rank
+    SIGKILLed at ``kills_at`` (seconds from that start) and relaunched at once."""
+    tmp = os.path.join(args.events_dir, f"{cfg['name']}-s{seed}-{uuid.uuid4().hex[:4]}")
+    os.makedirs(tmp, exist_ok=True)
     files = {k: os.path.join(tmp, k) for k in ("progress", "events")}
     root = f"{store['bucket']}/{cfg['name']}-{seed}-{uuid.uuid4().hex[:6]}"
     job = {"root": root, "options": store["options"], "every": str(cfg["every"]),
            "prior_mttf_s": cfg.get("prior_mttf_s"), "step_time": args.step_time,
            "state_mib": args.state_mib, "progress": files["progress"],
            "events": files["events"]}
-    start = time.monotonic()
+    load = Load()
+    launches = [time.time()]
+    offsets = [time.time() - time.monotonic()]  # a wall-clock step (NTP, a paused VM) moves it
+    procs = spares.launch(job)
+    start = wait_trained(files["events"], procs, 300.0)
     end = start + budget
-    kills, launches = 0, []
-    offsets = []  # wall clock − monotonic clock: a wall-clock step (NTP, a paused VM) moves it
-    while time.monotonic() < end:
+    pending = [start + k for k in kills_at]
+    kills: list[float] = []  # seconds from the start of training
+    steps_at_kill: list[int] = []
+    self_deaths = 0
+    while True:
+        nxt = pending[0] if pending else math.inf
+        died = False
+        while time.monotonic() < min(nxt, end):
+            load.sample()
+            if any(p.poll() is not None for p in procs):
+                died = True  # a rank died on its own (e.g. the other one's collective broke)
+                break
+            time.sleep(0.02)
+        if time.monotonic() >= end:
+            break
+        kill(procs)
+        if died:
+            self_deaths += 1
+        else:
+            kills.append(pending.pop(0) - start)
+        steps_at_kill.append(read_step(files["progress"]))
         launches.append(time.time())
         offsets.append(time.time() - time.monotonic())
         procs = spares.launch(job)
-        fail_at = time.monotonic() + (rng.expovariate(1.0 / mttf) if mttf else math.inf)
-        while time.monotonic() < min(fail_at, end):
-            if any(p.poll() not in (None,) for p in procs):
-                break  # a rank died on its own (e.g. the other one's collective broke)
-            time.sleep(0.05)
-        _kill(procs)
-        if time.monotonic() < end:
-            kills += 1
+    kill(procs)
     wall = time.monotonic() - start
     offsets.append(time.time() - time.monotonic())
-    step = 0
-    if os.path.exists(files["progress"]):
-        with open(files["progress"], "rb") as f:
-            step = int.from_bytes(f.read(8) or b"\0", "little")
+    step = read_step(files["progress"])
     m = _measured(files["events"], launches)
-    # from the job's first start of training (its first launch is no failure's cost), each
-    # step counted at the step time measured here (a sleep overshoots on a loaded machine);
-    # the ranks stamp events with the wall clock, taken onto the monotonic clock of ``wall``
-    # at the first launch's offset, so a wall-clock step during the run is not counted as time
-    first = m.pop("first_trained")
-    trained_wall = start + wall - (first - offsets[0]) if first else None
+    m.pop("first_trained")
     return {"config": cfg["name"], "every": cfg["every"], "seed": seed, "wall_s": wall,
-            "clock_step_s": max(offsets) - min(offsets),
-            "events_file": files["events"],
-            "final_step": step, "failures": kills, "goodput_stated": step * args.step_time / wall,
-            "trained_wall_s": trained_wall,
-            "goodput": (step * m["step_s"] / trained_wall
-                        if trained_wall and m["step_s"] else None), **m}
+            "clock_step_s": max(offsets) - min(offsets), "events_file": files["events"],
+            "final_step": step, "failures": len(kills), "self_deaths": self_deaths,
+            "kills_at_s": kills, "steps_at_kill": steps_at_kill,
+            "launch_wall": launches, "start_wall": offsets[0] + start,
+            "goodput_stated": step * args.step_time / wall, "trained_wall_s": wall,
+            "goodput": step * m["step_s"] / wall if m["step_s"] else None,
+            **load.summary(), **m}
 
 
 def _measured(events_path: str, launches: list[float]) -> dict[str, Any]:
-    """δ (median save blocking), R (median launch to training) and the auto's intervals."""
+    """δ (median steady save), R (median launch to training over the restarts) and the auto's
+    intervals."""
     events = []
     if os.path.exists(events_path):
         with open(events_path) as f:
             events = [json.loads(line) for line in f if line.strip()]
     # each incarnation's first save also pays one-time setup (as the autopilot counts δ)
-    saves = [b["blocking_s"] for a, b in itertools.pairwise(events)
-             if b["ev"] == "save" and a["ev"] == "save"]
-    steady = len(saves)  # the report pools δ over runs that measured a steady save
-    saves = saves or [e["blocking_s"] for e in events if e["ev"] == "save"]
+    delta, steady, first = steady_delta(events)
+    if delta is None and first:
+        delta = statistics.median(first)
     trained = [e["t"] for e in events if e["ev"] == "trained"]
     restarts = []
-    for t in trained:  # the launch just before each start of training
+    for t in trained:  # the launch just before each start of training, the first one's not
         before = [launch for launch in launches if launch <= t]
-        if before:
+        if len(before) > 1:
             restarts.append(t - max(before))
     gaps = []  # between two saves of one incarnation: the cadence as it happened
     marks = [e for e in events if e["ev"] in ("save", "trained")]
@@ -172,25 +143,16 @@ def _measured(events_path: str, launches: list[float]) -> dict[str, Any]:
         if a["ev"] == "save" and b["ev"] == "save":
             gaps.append(b["t"] - a["t"])
     intervals = [e["every"] for e in events if e["ev"] == "interval"]
-    delta = statistics.median(saves) if saves else None
-    return {"delta_s": delta, "saves": len(saves), "steady_saves": steady,
-            "first_save_extra_s": _first_save_extra(events, delta),
+    extra = [f - delta for f in first] if delta is not None and steady else []
+    return {"delta_s": delta, "saves": len(steady) + len(first), "steady_saves": len(steady),
+            "first_save_extra_s": max(0.0, statistics.median(extra)) if extra else None,
             "step_s": step_s, "first_trained": min(trained) if trained else None,
             "restart_s": statistics.median(restarts) if restarts else None,
+            "restart_mean_s": statistics.fmean(restarts) if restarts else None,
             "save_gap_s": statistics.median(gaps) if gaps else None,
             "incarnations": len(launches), "auto_intervals": intervals[-8:],
             "last_interval": next((e.get("interval") for e in reversed(events)
                                    if e["ev"] == "interval"), None)}
-
-
-def _first_save_extra(events: list[dict[str, Any]], delta: float | None) -> float | None:
-    """How much longer each incarnation's first save blocks than a steady one (median): a
-    cost every restart pays once, so part of ``R``."""
-    if delta is None:
-        return None
-    extra = [b["blocking_s"] - delta for a, b in itertools.pairwise(events)
-             if a["ev"] == "trained" and b["ev"] == "save"]
-    return max(0.0, statistics.median(extra)) if extra else None
 
 
 def with_predictions(row: dict[str, Any], mttf: float) -> dict[str, Any]:
@@ -212,13 +174,12 @@ def reprocess(path: str) -> list[dict[str, Any]]:
     out = []
     for row in rows:
         ev = row.get("events_file")
-        if ev and os.path.exists(ev):
-            with open(ev) as f:
-                events = [json.loads(line) for line in f if line.strip()]
-            saves = [b["blocking_s"] for a, b in itertools.pairwise(events)
-                     if b["ev"] == "save" and a["ev"] == "save"]
-            row["first_save_extra_s"] = _first_save_extra(events, row.get("delta_s"))
-            row["steady_saves"] = len(saves)
+        if ev and os.path.exists(ev) and "launch_wall" in row:
+            m = _measured(ev, row["launch_wall"])
+            m.pop("first_trained")
+            row = {**row, **m}
+            if m["step_s"]:
+                row["goodput"] = row["final_step"] * m["step_s"] / row["wall_s"]
         out.append(with_predictions(row, row.get("mttf_s", 40.0)) if row.get("section") == "run"
                    else row)
     return out
@@ -232,9 +193,9 @@ def _store(server: Any, proxy_url: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from goodput_report import (  # type: ignore[import-not-found]
         configurations,
+        crn_report,
         emit,
         plot,
-        report,
     )
 
     from dcp_volumes.bench.target import ProfileProxy
@@ -252,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                    "predictions of a results file from its runs' events files, rewrite it, "
                    "print the table (no runs)")
     p.add_argument("--plot", metavar="PNG", help="also draw the table")
+    p.add_argument("--events-dir", default=os.path.join(tempfile.gettempdir(), "goodput-runs"),
+                   help="where each run's progress and events files are kept")
     args = p.parse_args(argv)
     if args.reprocess:
         rows = reprocess(args.reprocess)
         with open(args.reprocess, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        report(rows)
+        crn_report(rows)
         if args.plot:
             plot(rows, args.plot)
         return 0
@@ -270,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = _store(server, proxy.endpoint_url)
         cal = run_once(args, {"name": "calibrate", "every": 4.0}, 0, store, args.calibrate_s,
-                       None, spares)
+                       [], spares)
         emit({**cal, "section": "calibration"}, rows, args.out)
         for seed in range(1, args.seeds + 1):
             cfgs = configurations(cal["delta_s"], args.mttf)
+            kills_at = failure_schedule(seed, args.budget, args.mttf)
             for cfg in cfgs[seed % len(cfgs):] + cfgs[:seed % len(cfgs)]:
-                row = run_once(args, cfg, seed, store, args.budget, args.mttf, spares)
+                row = run_once(args, cfg, seed, store, args.budget, kills_at, spares)
                 emit(with_predictions({**row, "section": "run", "mttf_s": args.mttf,
                                        "step_time_s": args.step_time,
                                        "state_mib_per_rank": args.state_mib}, args.mttf),
@@ -284,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         spares.close()
         proxy.stop()
         server.stop()
-    report(rows)
+    crn_report(rows)
     if args.plot:
         plot(rows, args.plot)
     return 0

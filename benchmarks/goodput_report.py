@@ -87,28 +87,120 @@ def report(rows: list[dict[str, Any]]) -> None:
               f"{p['predicted_first_order']:.1%} |")
 
 
+def _cadence(rows: list[dict[str, Any]]) -> float:
+    """The cadence the configuration kept: the median gap between two saves (save start to
+    save start) over its runs."""
+    gaps = _pick(rows, "save_gap_s")
+    if gaps:
+        return statistics.median(gaps)
+    return statistics.median(float(r["every"]) for r in rows)
+
+
+def paired(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration: measured goodput per seed, the best fixed configuration (highest
+    median) and every configuration's per-seed difference from it (common random numbers:
+    within a seed all saw the same failure times)."""
+    runs = [r for r in rows if r.get("section") == "run" and r.get("goodput") is not None]
+    names = list(dict.fromkeys(r["config"] for r in runs))
+    per = {n: {r["seed"]: r["goodput"] for r in runs if r["config"] == n} for n in names}
+    seeds = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    fixed = [n for n in names if n != "auto"]
+    best = max(fixed, key=lambda n: statistics.median(per[n][s] for s in seeds))
+    diffs = {n: [per[n][s] - per[best][s] for s in seeds] for n in names}
+    return {"names": names, "seeds": seeds, "per": per, "best": best, "diffs": diffs}
+
+
+def crn_report(rows: list[dict[str, Any]]) -> None:
+    """The common-random-numbers table: medians, spread, paired differences from the best
+    fixed interval, the model beside them, the machine's load."""
+    from goodput_accounting import (  # type: ignore[import-not-found]
+        account,
+        events_of,
+        steady_delta,
+    )
+
+    p = paired(rows)
+    runs = [r for r in rows if r.get("section") == "run" and r["seed"] in p["seeds"]]
+    steady = [d for d in (steady_delta(events_of(r["events_file"]))[0] for r in runs) if d]
+    delta = statistics.median(steady)
+    first = [(r, account(r, delta)) for r in runs]
+    eps = statistics.median(a["measured"]["per_step"] / max(1, r["final_step"])
+                            for r, a in first if a is not None)
+    both = [(r, a) for r, a in ((r, account(r, delta, eps)) for r in runs) if a is not None]
+    acc = [a for _, a in both]
+    for r, a in both:  # for the plot
+        r["predicted_model"] = a["predicted"]["useful"] / r["wall_s"]
+    restart = statistics.median(a["restart_s"] for a in acc if a["restart_s"] is not None)
+    extra = statistics.median(a["first_save_extra_s"] for a in acc if a["restart_s"] is not None)
+    n = sum(r["failures"] + r.get("self_deaths", 0) for r in runs)
+    w = sum(r["wall_s"] for r in runs)
+    mttf = runs[0]["mttf_s"]
+    print(f"\npooled over {len(runs)} runs: δ {delta:.2f} s (steady save), R {restart:.2f} s "
+          f"(launch to training), first-save extra X {extra:.2f} s; failures {n} in {w:.0f} s "
+          f"(M measured {w / n:.1f} s, injected {mttf:g} s); per-step overhead ε {eps * 1e3:.1f} ms; "
+          f"best fixed: {p['best']}")
+    print("| config | cadence kept (s) | measured, median (min–max) | mean | − best fixed, "
+          "per seed | median | model at M (Daly) | model at the run's N, per term | "
+          "measured − model | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in p["names"]:
+        mine = [r for r in runs if r["config"] == name]
+        every = _cadence(mine)
+        step = statistics.median(_pick(runs, "step_s"))
+        exp = (predict(every, delta, restart + extra, mttf)["predicted_exponential"]
+               * step / (step + eps))
+        model = {r["seed"]: r["predicted_model"] for r, a in both if r["config"] == name}
+        gap = [p["per"][name][s] - model[s] for s in p["seeds"] if s in model]
+        d = p["diffs"][name]
+        per_seed = ", ".join(f"{x * 100:+.1f}" for x in d)
+        vals = [p["per"][name][s] for s in p["seeds"]]
+        print(f"| {name} | {every:.1f} | {_spread(vals)} | {statistics.fmean(vals):.1%} | "
+              f"{per_seed} | {statistics.median(d) * 100:+.1f} | {exp:.1%} | "
+              f"{_spread(list(model.values()))} | "
+              f"{', '.join(f'{g * 100:+.1f}' for g in gap)} | "
+              f"{_med(_pick(mine, 'load_mean'))} |")
+    print("\nseconds per run, median over seeds, measured / predicted (first order at the "
+          "run's own N, δ, R, X and cadence):")
+    print("| config | restart | first-save extra | saves | lost work | per step | useful |")
+    print("|---|---|---|---|---|---|---|")
+    for name in p["names"]:
+        mine = [a for r, a in both if r["config"] == name]
+        cells = [f"{statistics.median(a['measured'][k] for a in mine):.1f} / "
+                 f"{statistics.median(a['predicted'][k] for a in mine):.1f}"
+                 for k in ("restart", "first_save_extra", "saves", "lost", "per_step", "useful")]
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Measured goodput per run (points) and the model's prediction (crosses) per config."""
+    """Measured goodput per run, one line per seed across the configurations (common random
+    numbers: a seed's runs saw the same failures), and the model's prediction (crosses)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in rows if r.get("section") == "run"]
+    runs = [r for r in rows if r.get("section") == "run" and r.get("goodput") is not None]
     names = list(dict.fromkeys(r["config"] for r in runs))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    names = sorted(names, key=lambda n: ("auto" in n, _cadence([r for r in runs
+                                                               if r["config"] == n])))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for seed in sorted({r["seed"] for r in runs}):
+        mine = {r["config"]: r["goodput"] for r in runs if r["seed"] == seed}
+        xs = [i for i, n in enumerate(names) if n in mine]
+        ax.plot(xs, [mine[names[i]] for i in xs], marker="o", color="tab:blue", alpha=0.35,
+                label="measured, one line per seed" if seed == 1 else None)
     for i, name in enumerate(names):
-        mine = [r for r in runs if r["config"] == name]
-        ax.scatter([i - 0.1] * len(mine), _pick(mine, "goodput"), color="tab:blue",
-                   label="measured (one run)" if i == 0 else None)
-        pred = _pick(mine, "predicted_exponential")
-        ax.scatter([i + 0.1] * len(pred), pred, marker="x", color="tab:orange",
-                   label="model (exponential), the run's own δ, R" if i == 0 else None)
+        med = statistics.median(_pick([r for r in runs if r["config"] == name], "goodput"))
+        ax.scatter([i], [med], marker="_", s=900, color="tab:blue",
+                   label="measured, median" if i == 0 else None)
+        pred = _pick([r for r in runs if r["config"] == name], "predicted_model")
+        ax.scatter([i + 0.12] * len(pred), pred, marker="x", color="tab:orange",
+                   label="model at the run's own N, δ, R, X" if i == 0 else None)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("goodput")
     ax.set_ylim(0, 1)
-    ax.set_title("Goodput under injected failures (2 gloo ranks, this machine)")
-    ax.legend(loc="lower right")
+    ax.set_title("Goodput under injected failures (2 gloo ranks, common random numbers)")
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -117,6 +209,9 @@ if __name__ == "__main__":
     src = sys.argv[1]
     with open(src) as f:
         loaded = [json.loads(line) for line in f if line.strip()]
-    report(loaded)
+    if any("launch_wall" in r for r in loaded):
+        crn_report([r for r in loaded if "launch_wall" in r])
+    else:
+        report(loaded)
     if len(sys.argv) > 2:
         plot(loaded, sys.argv[2])
