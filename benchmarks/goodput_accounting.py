@@ -12,6 +12,10 @@ window's end). Its time is
 - **saves**: every save's blocking time (the first saves' steady part included);
 - **lost**: killed incarnations only: from their last completed save (or their start of
   training when none completed) to the kill -- work redone by the next incarnation;
+A run whose wall clock stepped by more than 1 s (``clock_step_s``: the VM paused, or the
+clock was set) gets no account (its events are stamped with the wall clock); its goodput,
+on the monotonic clock, stands.
+
 - **per step**: what is left beyond ``final_step × step time`` (the **useful** work): time
   each step spends outside its measured step time -- the cadence's decision (with a timed
   cadence, a collective every step), the progress and event writes -- plus a step cut by a
@@ -143,6 +147,8 @@ def account(row: dict[str, Any], pooled_delta: float | None = None,
     """Measured and predicted terms of one run, with the parameters the prediction used: the
     run's own δ (``pooled_delta`` when it measured no steady save), its mean restart (none
     without a failure) and the median extra of its first saves."""
+    if row.get("clock_step_s", 0.0) > 1.0:
+        return None  # the events' wall-clock stamps moved under the run: no per-term account
     events = events_of(row["events_file"])
     delta, _, first = steady_delta(events)
     delta = delta or pooled_delta

@@ -152,7 +152,9 @@ def crn_report(rows: list[dict[str, Any]]) -> None:
         model = {r["seed"]: r["predicted_model"] for r, a in both if r["config"] == name}
         gap = [p["per"][name][s] - model[s] for s in p["seeds"] if s in model]
         d = p["diffs"][name]
-        per_seed = ", ".join(f"{x * 100:+.1f}" for x in d)
+        stepped = {r["seed"] for r in mine if r.get("clock_step_s", 0.0) > 1.0}
+        per_seed = ", ".join(f"{x * 100:+.1f}{'†' if s in stepped else ''}"
+                             for x, s in zip(d, p["seeds"], strict=True))
         vals = [p["per"][name][s] for s in p["seeds"]]
         print(f"| {name} | {every:.1f} | {_spread(vals)} | {statistics.fmean(vals):.1%} | "
               f"{per_seed} | {statistics.median(d) * 100:+.1f} | {exp:.1%} | "
