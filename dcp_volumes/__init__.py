@@ -7,6 +7,10 @@ loop can hold one :class:`Checkpointer` instead.
 The public names are resolved lazily (module ``__getattr__``): importing the package does not
 import torch, so the ``dcp-volumes`` command starts fast and ``ls``/``latest``/``gc`` never pay
 for torch. ``from dcp_volumes import VolumeWriter`` works as usual.
+
+The error hierarchy (:mod:`dcp_volumes.errors`, rooted at :class:`DCPVolumesError`) is
+imported eagerly and re-exported here (``except dcp_volumes.CheckpointNotFoundError``): it
+imports nothing itself, so it costs ``import dcp_volumes`` about a millisecond.
 """
 
 from __future__ import annotations
@@ -14,7 +18,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dcp_volumes import errors
 from dcp_volumes._version import __version__
+from dcp_volumes.errors import (
+    BucketNotFoundError,
+    CheckpointChangedError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DCPVolumesError,
+    DestinationMismatchError,
+    DownloadError,
+    ExportConflictError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    ObjectNotFoundError,
+    RootInUseError,
+    SpoolError,
+    StoragePermissionError,
+    UnsafeCheckpointError,
+    UnsupportedTransformError,
+    UploadError,
+)
 
 if TYPE_CHECKING:
     from dcp_volumes._api import load, save
@@ -27,18 +52,37 @@ if TYPE_CHECKING:
     from dcp_volumes.writer import VolumeWriter
 
 __all__ = [
+    "BucketNotFoundError",
+    "CheckpointChangedError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
     "Checkpointer",
+    "ConfigError",
+    "DCPVolumesError",
+    "DestinationMismatchError",
+    "DownloadError",
+    "ExportConflictError",
     "ExportReport",
+    "IncompleteCheckpointError",
+    "IntegrityError",
     "LoadStats",
     "LocalTierOptions",
+    "ObjectNotFoundError",
     "RetryOptions",
+    "RootInUseError",
     "SafetensorsReader",
     "SaveStats",
+    "SpoolError",
     "SpoolOptions",
+    "StoragePermissionError",
     "TransferOptions",
+    "UnsafeCheckpointError",
+    "UnsupportedTransformError",
+    "UploadError",
     "VolumeReader",
     "VolumeWriter",
     "__version__",
+    "errors",
     "export_safetensors",
     "load",
     "release_staging_buffers",

@@ -14,13 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_volumes.backends.base import (
-    Backend,
-    CallStats,
-    ObjectInfo,
-    StaleUpload,
-    never_retry,
-)
+from dcp_volumes.backends.base import Backend, CallStats, ObjectInfo, StaleUpload
 from dcp_volumes.backends.location import StoreLocation
 from dcp_volumes.backends.options import (
     AzureOptions,
@@ -29,8 +23,7 @@ from dcp_volumes.backends.options import (
     S3Options,
     StorageOptions,
 )
-from dcp_volumes.backends.sink import Sink, StreamSink
-from dcp_volumes.backends.translate import is_transient, redact_url, translate_error
+from dcp_volumes.backends.translate import redact_url
 from dcp_volumes.backends.urls import backend_class, parse_url
 from dcp_volumes.config import RetryOptions
 
@@ -42,18 +35,13 @@ __all__ = [
     "LocalOptions",
     "ObjectInfo",
     "S3Options",
-    "Sink",
     "StaleUpload",
     "StorageOptions",
     "StoreLocation",
-    "StreamSink",
     "backend_class",
-    "is_transient",
-    "never_retry",
     "open_backend",
     "parse_url",
     "redact_url",
-    "translate_error",
 ]
 
 

@@ -38,6 +38,6 @@ imports this package; only the CLI does.
 
 from __future__ import annotations
 
-from dcp_volumes.bench.harness import add_arguments, build_parser, main, run
+from dcp_volumes.bench.harness import add_arguments, run
 
-__all__ = ["add_arguments", "build_parser", "main", "run"]
+__all__ = ["add_arguments", "run"]

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from dcp_volumes.checkpointer._checkpointer import Checkpointer
 from dcp_volumes.checkpointer._fallback import candidates, load_newest
-from dcp_volumes.checkpointer._policy import Marks, SaveKind, SavePolicy, retain
-from dcp_volumes.checkpointer._run import RunIdentity
+from dcp_volumes.checkpointer._policy import SaveKind, SavePolicy
 
-__all__ = ["Checkpointer", "Marks", "RunIdentity", "SaveKind", "SavePolicy", "candidates",
-           "load_newest", "retain"]
+__all__ = ["Checkpointer", "SaveKind", "SavePolicy", "candidates", "load_newest"]

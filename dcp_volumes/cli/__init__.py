@@ -9,6 +9,6 @@ options they share.
 
 from __future__ import annotations
 
-from dcp_volumes.cli._main import build_parser, main
+from dcp_volumes.cli._main import main
 
-__all__ = ["build_parser", "main"]
+__all__ = ["main"]

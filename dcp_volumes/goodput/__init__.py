@@ -35,7 +35,6 @@ from dcp_volumes.goodput._auto import (
 )
 from dcp_volumes.goodput._durations import format_duration, parse_duration_s
 from dcp_volumes.goodput._estimate import (
-    DEFAULT_PRIOR_WEIGHT,
     FailureEstimate,
     FailurePrior,
     default_prior,
@@ -43,7 +42,6 @@ from dcp_volumes.goodput._estimate import (
 )
 from dcp_volumes.goodput._model import (
     DEFAULT_INTERVALS_S,
-    HOURS_PER_YEAR,
     FailureModel,
     daly_interval_s,
     expected_goodput,
@@ -52,31 +50,12 @@ from dcp_volumes.goodput._model import (
     young_interval_s,
 )
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
-from dcp_volumes.goodput._record import (
-    RECORD_NAME,
-    Incarnation,
-    RestoreSample,
-    RunRecord,
-    SaveSample,
-    dump_record,
-    parse_record,
-)
+from dcp_volumes.goodput._record import Incarnation, RestoreSample, RunRecord, SaveSample
 from dcp_volumes.goodput._store import read_run_record, record_root, write_run_record
-from dcp_volumes.goodput._two_level import (
-    TierCosts,
-    TwoLevelPlan,
-    TwoLevelRow,
-    expected_loss_per_failure_s,
-    plan_two_level,
-    two_level_goodput,
-    two_level_intervals_s,
-)
+from dcp_volumes.goodput._two_level import TierCosts, TwoLevelPlan, plan_two_level
 
 __all__ = [
     "DEFAULT_INTERVALS_S",
-    "DEFAULT_PRIOR_WEIGHT",
-    "HOURS_PER_YEAR",
-    "RECORD_NAME",
     "AutoInterval",
     "AutopilotOptions",
     "FailureEstimate",
@@ -91,27 +70,21 @@ __all__ = [
     "SaveSample",
     "TierCosts",
     "TwoLevelPlan",
-    "TwoLevelRow",
     "choose_interval",
     "daly_interval_s",
     "default_prior",
-    "dump_record",
     "estimate_failures",
     "expected_goodput",
-    "expected_loss_per_failure_s",
     "expected_rework_s",
     "format_duration",
     "interruption_probability",
     "measured_costs",
     "parse_duration_s",
-    "parse_record",
     "plan_intervals",
     "plan_two_level",
     "read_run_record",
     "record_root",
     "settle_interval",
-    "two_level_goodput",
-    "two_level_intervals_s",
     "write_run_record",
     "young_interval_s",
 ]

@@ -24,61 +24,34 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcp_volumes.tier._layout import (
-        STALE_S,
-        Descriptor,
-        DurableBase,
-        LocalOnlyRef,
-        SaveDir,
-        name_under,
-        normal_url,
-        url_key,
-        walk_saves,
-    )
+    from dcp_volumes.tier._layout import Descriptor, DurableBase, name_under, normal_url, walk_saves
     from dcp_volumes.tier._local_only import (
         LocalCommit,
         LocalOnlyCopy,
-        continues,
         find_local_only,
         parse_commit,
     )
-    from dcp_volumes.tier._partners import CHUNK_BYTES, partner_map, replicate
+    from dcp_volumes.tier._partners import replicate
     from dcp_volumes.tier._read import LocalFile, find_local
-    from dcp_volumes.tier._replicas import OwnCopy, TierReplica, open_own, own_copy
-    from dcp_volumes.tier._retention import apply_retention
     from dcp_volumes.tier._write import TierSave
 
-__all__ = ["CHUNK_BYTES", "STALE_S", "Descriptor", "DurableBase", "LocalCommit", "LocalFile",
-           "LocalOnlyCopy", "LocalOnlyRef", "OwnCopy", "SaveDir", "TierReplica", "TierSave",
-           "apply_retention", "continues", "find_local", "find_local_only", "name_under",
-           "normal_url", "open_own", "own_copy", "parse_commit", "partner_map", "replicate",
-           "url_key", "walk_saves"]
+__all__ = ["Descriptor", "DurableBase", "LocalCommit", "LocalFile", "LocalOnlyCopy", "TierSave",
+           "find_local", "find_local_only", "name_under", "normal_url", "parse_commit", "replicate",
+           "walk_saves"]
 
 _LAZY: dict[str, str] = {
-    "STALE_S": "dcp_volumes.tier._layout",
     "Descriptor": "dcp_volumes.tier._layout",
     "DurableBase": "dcp_volumes.tier._layout",
-    "LocalOnlyRef": "dcp_volumes.tier._layout",
-    "SaveDir": "dcp_volumes.tier._layout",
     "name_under": "dcp_volumes.tier._layout",
     "normal_url": "dcp_volumes.tier._layout",
-    "url_key": "dcp_volumes.tier._layout",
     "walk_saves": "dcp_volumes.tier._layout",
     "LocalCommit": "dcp_volumes.tier._local_only",
     "LocalOnlyCopy": "dcp_volumes.tier._local_only",
-    "continues": "dcp_volumes.tier._local_only",
     "find_local_only": "dcp_volumes.tier._local_only",
     "parse_commit": "dcp_volumes.tier._local_only",
-    "CHUNK_BYTES": "dcp_volumes.tier._partners",
-    "partner_map": "dcp_volumes.tier._partners",
     "replicate": "dcp_volumes.tier._partners",
     "LocalFile": "dcp_volumes.tier._read",
     "find_local": "dcp_volumes.tier._read",
-    "OwnCopy": "dcp_volumes.tier._replicas",
-    "TierReplica": "dcp_volumes.tier._replicas",
-    "open_own": "dcp_volumes.tier._replicas",
-    "own_copy": "dcp_volumes.tier._replicas",
-    "apply_retention": "dcp_volumes.tier._retention",
     "TierSave": "dcp_volumes.tier._write",
 }
 

@@ -18,15 +18,8 @@ import pytest
 import torch
 
 from dcp_volumes import Checkpointer, errors
-from dcp_volumes.goodput import (
-    RECORD_NAME,
-    AutopilotOptions,
-    FailureModel,
-    RunRecord,
-    SaveSample,
-    dump_record,
-    parse_record,
-)
+from dcp_volumes.goodput import AutopilotOptions, FailureModel, RunRecord, SaveSample
+from dcp_volumes.goodput._record import RECORD_NAME, dump_record, parse_record
 from dcp_volumes.testing.servers import LocalServer, start_server
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

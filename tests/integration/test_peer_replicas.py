@@ -46,6 +46,7 @@ from dcp_volumes import (
 )
 from dcp_volumes.testing.dist import run_ranks
 from dcp_volumes.tier import _partners
+from dcp_volumes.tier._layout import url_key
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -270,7 +271,7 @@ def _exchange(rank: int, world: int, tiers: str) -> None:
             keep.keep(src, _shard(rank, index), SIZES[index])
         keep.complete()
         if url.endswith("blocked") and rank == 1:  # rank 0's first file cannot land here
-            os.makedirs(os.path.join(opts.resolved_directory(), tier.url_key(url), SAVE_KEY,
+            os.makedirs(os.path.join(opts.resolved_directory(), url_key(url), SAVE_KEY,
                                      _shard(0, 0)))
         dist.barrier()
         kept = tier.replicate(opts, url, group=None)
@@ -283,7 +284,7 @@ def test_files_stream_in_chunks_and_a_failing_receiver_keeps_nothing(tmp_path: P
     for url in ("s3://b/run/ok", "s3://b/run/blocked"):
         for node in (0, 1):
             sender = 1 - node
-            d = tmp_path / f"node{node}" / tier.url_key(url) / SAVE_KEY
+            d = tmp_path / f"node{node}" / url_key(url) / SAVE_KEY
             desc = d / f".dcpv-tier-{sender}.json"
             assert not list(d.glob("*.tmp-*"))
             if url.endswith("blocked") and node == 1:

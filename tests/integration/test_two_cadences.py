@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dcp_volumes import Checkpointer, LocalTierOptions, SpoolOptions, catalog, errors
 from dcp_volumes.checkpointer._run import MARKER
 from dcp_volumes.testing.dist import run_ranks
-from dcp_volumes.tier import url_key
+from dcp_volumes.tier._layout import url_key
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

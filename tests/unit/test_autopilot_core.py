@@ -21,12 +21,11 @@ from dcp_volumes.goodput import (
     SaveSample,
     choose_interval,
     default_prior,
-    dump_record,
     estimate_failures,
     measured_costs,
-    parse_record,
     settle_interval,
 )
+from dcp_volumes.goodput._record import dump_record, parse_record
 
 ROOT = "s3://bucket/run-1"
 T0 = 1.8e9  # a wall-clock time in 2027

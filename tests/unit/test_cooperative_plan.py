@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from dcp_volumes._manifest import ItemEntry
-from dcp_volumes.loading.cooperative import Assignment, LocalInfo, Summary, assign
+from dcp_volumes.loading.cooperative import Assignment, assign
+from dcp_volumes.loading.cooperative.assign import LocalInfo, Summary
 from dcp_volumes.loading.needs import Need
 
 MiB = 1 << 20

@@ -18,11 +18,13 @@ from dcp_volumes.goodput import (
     FailureModel,
     TierCosts,
     expected_goodput,
-    expected_loss_per_failure_s,
     plan_two_level,
+    young_interval_s,
+)
+from dcp_volumes.goodput._two_level import (
+    expected_loss_per_failure_s,
     two_level_goodput,
     two_level_intervals_s,
-    young_interval_s,
 )
 
 # 1024 GPUs, one failure every 3 h on 16 384 GPUs: M = 3·16384/1024 h = 48 h = 172 800 s.

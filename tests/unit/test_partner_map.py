@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dcp_volumes import LocalTierOptions, _layout, errors, tier
-from dcp_volumes.tier import partner_map
+from dcp_volumes.tier._partners import partner_map
+from dcp_volumes.tier._replicas import OwnCopy, TierReplica, own_copy
 
 
 def test_derived_map_is_the_same_local_rank_on_the_next_node() -> None:
@@ -68,8 +69,8 @@ def test_partners_on_the_same_node_are_refused_when_ranks_per_node_is_given() ->
 
 # ---- a replica arriving in a tier (the receiving side, without a process group) -----------
 
-def _receive(opts: LocalTierOptions, copy: tier.OwnCopy, data: dict[str, bytes]) -> int:
-    rep = tier.TierReplica(opts, copy, me=1)
+def _receive(opts: LocalTierOptions, copy: OwnCopy, data: dict[str, bytes]) -> int:
+    rep = TierReplica(opts, copy, me=1)
     for rel, _ in copy.files:
         rep.begin(rel)
         rep.write(memoryview(data[rel]))
@@ -78,9 +79,9 @@ def _receive(opts: LocalTierOptions, copy: tier.OwnCopy, data: dict[str, bytes])
 
 
 def _copy_of(rank: int, save_key: str, size: int, url: str = "s3://b/r/step-1"
-             ) -> tuple[tier.OwnCopy, dict[str, bytes]]:
+             ) -> tuple[OwnCopy, dict[str, bytes]]:
     rel = _layout.shard_name(rank, 0, save_key)
-    return (tier.OwnCopy(tier.normal_url(url), save_key, rank, ((rel, size),)),
+    return (OwnCopy(tier.normal_url(url), save_key, rank, ((rel, size),)),
             {rel: bytes(size)})
 
 
@@ -88,7 +89,7 @@ def test_a_replica_is_kept_marked_and_never_sent_on(tmp_path: Path) -> None:
     opts = LocalTierOptions(directory=str(tmp_path), keep_last=None)
     copy, data = _copy_of(0, "0000000a-000000000001", 10)
     assert _receive(opts, copy, data) == 10
-    assert tier.own_copy(opts, "s3://b/r/step-1", 0) is None  # a replica is not own
+    assert own_copy(opts, "s3://b/r/step-1", 0) is None  # a replica is not own
     (desc,) = tmp_path.glob("*/*/.dcpv-tier-0.json")
     assert json.loads(desc.read_text())["replica"] == {"held_by": 1}
 

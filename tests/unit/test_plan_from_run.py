@@ -12,7 +12,6 @@ import pytest
 from _cli import run_cli as _run
 
 from dcp_volumes.goodput import (
-    RECORD_NAME,
     Incarnation,
     RestoreSample,
     RunRecord,
@@ -20,6 +19,7 @@ from dcp_volumes.goodput import (
     record_root,
     write_run_record,
 )
+from dcp_volumes.goodput._record import RECORD_NAME
 
 T0 = 1.8e9
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dcp_volumes import errors
-from dcp_volumes.checkpointer import Marks, SavePolicy
+from dcp_volumes.checkpointer import SavePolicy
+from dcp_volumes.checkpointer._policy import Marks
 from dcp_volumes.checkpointer._resume import choose_local_only
 from dcp_volumes.tier import DurableBase, LocalOnlyCopy
 

@@ -15,7 +15,9 @@ from pathlib import Path
 from dcp_volumes import (
     LocalTierOptions,
 )
-from dcp_volumes.tier import STALE_S, TierSave, apply_retention, url_key
+from dcp_volumes.tier import TierSave
+from dcp_volumes.tier._layout import STALE_S, url_key
+from dcp_volumes.tier._retention import apply_retention
 
 
 def _fake_save(tier: LocalTierOptions, url: str, save_id: str, rank: int, size: int,

@@ -13,21 +13,12 @@ from pathlib import Path
 import pytest
 
 from dcp_volumes import LocalTierOptions, _layout
-from dcp_volumes.tier import (
-    Descriptor,
-    DurableBase,
-    LocalOnlyRef,
-    OwnCopy,
-    TierReplica,
-    TierSave,
-    apply_retention,
-    continues,
-    normal_url,
-    own_copy,
-    url_key,
-    walk_saves,
-)
+from dcp_volumes.tier import Descriptor, DurableBase, TierSave, normal_url, walk_saves
+from dcp_volumes.tier._layout import LocalOnlyRef, url_key
+from dcp_volumes.tier._local_only import continues
 from dcp_volumes.tier._partners import _OwnReader
+from dcp_volumes.tier._replicas import OwnCopy, TierReplica, own_copy
+from dcp_volumes.tier._retention import apply_retention
 
 URL = "s3://b/run/step-00000100"
 KEY = "0000000a-000000000001"

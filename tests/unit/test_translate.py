@@ -9,7 +9,8 @@ import pytest
 from _error_shapes import AzureErrorShape, ClientErrorShape, HttpErrorShape
 
 from dcp_volumes import errors
-from dcp_volumes.backends import is_transient, redact_url, translate_error
+from dcp_volumes.backends import redact_url
+from dcp_volumes.backends.translate import is_transient, translate_error
 
 
 class ServerDisconnectedError(Exception):

@@ -40,17 +40,7 @@ again) into the planner's targets — and the status steps and bounded waits are
 :mod:`dcp_volumes._dist`'s.
 """
 
-from dcp_volumes.loading.cooperative.assign import (
-    ROUND_BYTES,
-    Assignment,
-    Bundle,
-    LocalInfo,
-    Piece,
-    Summary,
-    assign,
-    local_info,
-)
+from dcp_volumes.loading.cooperative.assign import Assignment, assign, local_info
 from dcp_volumes.loading.cooperative.exchange import CooperativeRead, ExchangeFigures
 
-__all__ = ["ROUND_BYTES", "Assignment", "Bundle", "CooperativeRead", "ExchangeFigures",
-           "LocalInfo", "Piece", "Summary", "assign", "local_info"]
+__all__ = ["Assignment", "CooperativeRead", "ExchangeFigures", "assign", "local_info"]

@@ -49,13 +49,12 @@ from dcp_volumes.testing.servers._azure import (
 )
 from dcp_volumes.testing.servers._base import LocalServer
 from dcp_volumes.testing.servers._gcs import FakeGCSServer
-from dcp_volumes.testing.servers._registry import SERVERS, running_server, start_server
+from dcp_volumes.testing.servers._registry import SERVERS, start_server
 from dcp_volumes.testing.servers._s3 import MotoServer, SeaweedFSServer
 from dcp_volumes.testing.servers._util import LOOPBACK as LOOPBACK
 from dcp_volumes.testing.servers._util import (
     ServerNotAvailableError,
     ServerStartError,
-    free_port,
     free_ports,
     wait_until,
 )
@@ -71,9 +70,7 @@ __all__ = [
     "SeaweedFSServer",
     "ServerNotAvailableError",
     "ServerStartError",
-    "free_port",
     "free_ports",
-    "running_server",
     "start_server",
     "wait_until",
 ]
