@@ -46,7 +46,11 @@ class Location:
     def checkpoint_id(self) -> str:
         return self._where.url
 
-    def _backend(self) -> Backend:
+    def backend(self) -> Backend:
+        """The live :class:`~dcp_volumes.backends.Backend` this reader or writer talks to:
+        opened on first use, shared by every call after, never pickled (a clone opens its
+        own). The seam for a subclass that reads the store itself (a reader's
+        ``open_checkpoint``) and for test harnesses."""
         if self._backend_obj is None:
             transfer = getattr(self, "transfer", None)  # writers' and readers' TransferOptions
             pacing = not isinstance(transfer, TransferOptions) or transfer.throttle_backoff

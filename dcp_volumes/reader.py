@@ -214,7 +214,7 @@ class VolumeReader(Location, StorageReader):
         stats = CallStats()
         try:
             # one read per job inside dcp.load over every rank (rank 0's, shared)
-            committed = read_commit(self._backend(), with_manifest=self.verify, stats=stats,
+            committed = read_commit(self.backend(), with_manifest=self.verify, stats=stats,
                                     share=self.cooperative is not False,
                                     timeout_s=self.cooperative_timeout_s)
         finally:
@@ -325,7 +325,7 @@ class VolumeReader(Location, StorageReader):
         return {name: entry.size for name, entry in self._manifest.files.items()}
 
     def _store(self, url: str) -> StoreSource:
-        return StoreSource(self._backend(), url, max_concurrency=self.transfer.max_concurrency,
+        return StoreSource(self.backend(), url, max_concurrency=self.transfer.max_concurrency,
                            chunk_size=self.transfer.part_size, stats=CallStats(),
                            pins=self._pins, sizes=self._sizes)
 
@@ -368,7 +368,7 @@ class VolumeReader(Location, StorageReader):
         )
         tiered, backend, failed = _Tiered(), None, None
         try:
-            backend = self._backend()
+            backend = self.backend()
             tiered = self._read_tier(plan, target, url, cooperative=True)
         except Exception as exc:  # noqa: BLE001 — coop.run reports it to every rank at once
             failed = exc

@@ -201,7 +201,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         if self.local_only:  # no network: no existence check, no live record
             save_id, replaces = _layout.new_save_id(), None
         else:
-            save_id, replaces = begin_store_save(self._backend(), self._url,
+            save_id, replaces = begin_store_save(self.backend(), self._url,
                                                  overwrite=self.overwrite)
         self._replaces = replaces  # a damaged .metadata this save may replace
         self._save_id = save_id
@@ -242,7 +242,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
         succeeded, so what this save wrote is garbage now. A rank-local id's record (a
         cached plan, see ``claim_shard_id``) is also removed on success: the coordinator
         removes only the save id's."""
-        backend = self._backend()
+        backend = self.backend()
         heartbeat = _live.Heartbeat(backend, job.shard_id).start()
         try:
             results, self.last_stats = write_to_store(job, backend)
@@ -287,7 +287,7 @@ class VolumeWriter(Location, StorageWriter, AsyncStager):
             # completed on every rank by local_only_result, which broadcasts these bytes
             self._local_commit = LocalCommit(save_id, metadata_bytes, manifest.to_json())
             return
-        backend = self._backend()
+        backend = self.backend()
         stats = CallStats()
         superseded = commit_store_save(backend, manifest, metadata_bytes,
                                        overwrite=self.overwrite, replaces=self._replaces,

@@ -123,7 +123,7 @@ class SafetensorsReader(VolumeReader):
 
     def __repr__(self) -> str:
         named = f"/{self._named}" if self._named else ""
-        return f"SafetensorsReader({redact_url(self._url)}{named!r})"
+        return f"SafetensorsReader({redact_url(self.url)}{named!r})"
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -145,7 +145,7 @@ class SafetensorsReader(VolumeReader):
             if self.last_error is not None:
                 return _typed.deferred(self.last_error)  # raised in set_up_storage_reader
             raise errors.CheckpointNotFoundError(
-                f"{redact_url(self._url)} holds safetensors: there is no per-rank metadata")
+                f"{redact_url(self.url)} holds safetensors: there is no per-rank metadata")
         return super().read_metadata(*args, **kwargs)
 
     def open_checkpoint(self) -> Opened:
@@ -154,8 +154,8 @@ class SafetensorsReader(VolumeReader):
         every tensor read is conditional on it, so a file replaced meanwhile fails the load
         with :class:`~dcp_volumes.errors.CheckpointChangedError` instead of giving the new
         file's bytes at the old header's offsets."""
-        backend = self._backend()
-        url = redact_url(self._url)
+        backend = self.backend()
+        url = redact_url(self.url)
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, _Stored] = {}
         manifest = Manifest(save_id="safetensors", writer="safetensors", world_size=0)

@@ -40,7 +40,7 @@ def save_own_keys(rank: int, world_size: int, url: str, storage_options: dict[st
     # Warm the client (imports, session, connection pool) before the clock starts, as the
     # coordinator's is by its plan step: otherwise ranks start uploading seconds apart on a
     # small machine, and the skew reads as lost throughput.
-    backend = writer._backend()
+    backend = writer.backend()
     client = getattr(backend, "client", None)
     if client is not None:
         backend.run(client)
@@ -55,7 +55,7 @@ def save_own_keys(rank: int, world_size: int, url: str, storage_options: dict[st
         # BaseException; reported, as the comparison counts failed saves
         error = f"{type(exc).__name__}: {exc}"[:300]
     wall = time.monotonic() - start
-    throttle = writer._backend().throttle
+    throttle = writer.backend().throttle
     stats = writer.last_stats.as_dict() if writer.last_stats else {}
     return {
         **stats,

@@ -198,8 +198,8 @@ def test_a_throttled_load_paces_with_the_writers_throttle(seaweedfs: Any) -> Non
     reader = VolumeReader(url, storage_options=opts,
                           transfer=TransferOptions(max_concurrency=8, max_range_size=5 << 20,
                                                    coalesce_gap=0))
-    throttle = reader._backend().throttle
-    assert throttle is not None and throttle is writer._backend().throttle
+    throttle = reader.backend().throttle
+    assert throttle is not None and throttle is writer.backend().throttle
     cuts = throttle.cuts
     limit = proxy.add_rate_limit(PrefixRateLimit(rate=5, burst=2))
     try:
@@ -310,7 +310,7 @@ def test_a_store_throttling_every_upload_fails_the_save_in_about_one_deadline(
         retry=RetryOptions(max_attempts=50, initial_backoff_s=0.01, max_backoff_s=0.05,
                            deadline_s=STORM_RETRY_DEADLINE_S),
     )
-    throttle = writer._backend().throttle
+    throttle = writer.backend().throttle
     assert throttle is not None
     # every shard PUT (parts and single-part objects); the save's small records go through
     rule = proxy.add_rule(s3_slowdown(method="PUT", path_regex=r"\.distcp", times=None))

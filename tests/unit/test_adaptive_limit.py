@@ -616,12 +616,12 @@ def test_writers_and_readers_share_their_stores_throttle_and_pickle_without_it(
     writer = VolumeWriter(url)
     reader = VolumeReader(url)
     off = VolumeWriter(url, transfer=TransferOptions(throttle_backoff=False))
-    assert writer._backend().throttle is reader._backend().throttle is not None
-    assert off._backend().throttle is None
+    assert writer.backend().throttle is reader.backend().throttle is not None
+    assert off.backend().throttle is None
     for obj in (writer, reader, off):
         clone = pickle.loads(pickle.dumps(obj))
         assert clone._backend_obj is None  # config only
-    assert pickle.loads(pickle.dumps(off))._backend().throttle is None
+    assert pickle.loads(pickle.dumps(off)).backend().throttle is None
 
 
 @pytest.mark.parametrize(("field", "value"), [("throttle_backoff", "yes"),

@@ -194,11 +194,11 @@ def test_relative_paths_cannot_escape(url: str, bad: str) -> None:
 
 def test_writer_and_reader_pickle_without_clients(url: str) -> None:
     writer = VolumeWriter(url, storage_options={"secret": "s3cr3t"})
-    writer._backend()
+    writer.backend()
     clone = pickle.loads(pickle.dumps(writer))
     assert clone._backend_obj is None and clone.url == url
     reader = VolumeReader(url)
-    reader._backend()
+    reader.backend()
     assert pickle.loads(pickle.dumps(reader))._backend_obj is None
     assert "s3cr3t" not in repr(writer)
 

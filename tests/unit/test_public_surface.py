@@ -4,10 +4,13 @@ lists resolves (the lazy ones included)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import pkgutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -60,3 +63,30 @@ def test_every_listed_name_resolves(package: str) -> None:
     assert len(listed) == len(set(listed)), f"{package}.__all__ lists a name twice"
     missing = [name for name in listed if not hasattr(module, name)]
     assert not missing, f"{package}.__all__ lists names it does not have: {missing}"
+
+
+def _self_privates(cls: type, *, stored_only: bool = False) -> set[str]:
+    """Private names ``cls``'s own source defines (class body) or uses on ``self``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = {n.name for n in tree.body[0].body  # type: ignore[attr-defined]
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    on_self = {node.attr for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+               and node.value.id == "self"
+               and (not stored_only or isinstance(node.ctx, ast.Store))}
+    return {n for n in body | on_self if n.startswith("_") and not n.startswith("__")}
+
+
+def test_safetensors_reader_uses_only_public_seams_of_the_reader() -> None:
+    """SafetensorsReader (export) subclasses VolumeReader (the root package): no private name
+    it touches on ``self`` is one that VolumeReader or its bases define (before: ``_backend()``
+    and ``_url``; now the public ``backend()`` and ``url``)."""
+    from dcp_volumes.export import SafetensorsReader
+    from dcp_volumes.reader import VolumeReader
+
+    theirs: set[str] = set()
+    for cls in VolumeReader.__mro__:
+        if cls.__module__.startswith("dcp_volumes."):
+            theirs |= _self_privates(cls)
+    reached = sorted(_self_privates(SafetensorsReader) & theirs)
+    assert not reached, f"SafetensorsReader reaches into VolumeReader's privates: {reached}"
