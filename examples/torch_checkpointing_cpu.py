@@ -18,7 +18,8 @@ from typing import Any
 import fsspec
 import torch
 from torch_checkpointing import CheckpointManager
-from torch_checkpointing.config import SyncCheckpointSaverConfig
+from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
 
 from dcp_volumes.integrations.torch_checkpointing import manager_config
 from dcp_volumes.testing.dist import run_ranks
@@ -41,7 +42,9 @@ def make_state(rank: int, width: int, trained: bool
 
 def save_rank(rank: int, world: int, url: str, options: dict[str, Any], width: int) -> float:
     model, optim = make_state(rank, width, trained=True)
-    manager = CheckpointManager(manager_config(url, storage_options=options))  # async save
+    save = AsyncCheckpointSaverConfig(process_config=CheckpointProcessConfig(
+        subprocess_init_timeout_secs=300))  # the writer's process starts slowly on a busy host
+    manager = CheckpointManager(manager_config(url, storage_options=options, save=save))
     start = time.perf_counter()
     future = manager.save("step-3", {"model": model.state_dict(), "optim": optim.state_dict(),
                                      "step": 3})

@@ -21,7 +21,6 @@ PAGES = pages(REPO)
 #: Pages whose blocks do not pass yet, with the helper making them pass. This list only
 #: shrinks; it is empty when every page passes (an entry that passes shows as XPASS).
 PAGES_NOT_PASSING_YET: dict[str, str] = {
-    "docs/integrations/torch_checkpointing.md": "tcp",
 }
 
 #: the standard variables a user's S3 client reads; nothing else tells a block where the store is

@@ -5,9 +5,11 @@ commit record is untrusted input; and the library still commits by a directory r
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
+import pickle
 import signal
 import warnings
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from dcp_volumes.integrations.torch_checkpointing import (
     VolumeStorageConfig,
     manager_config,
     record_rank_files,
+    resume_path,
 )
 from dcp_volumes.testing.dist import run_ranks, run_ranks_with_victim
 
@@ -127,9 +130,11 @@ def test_two_rank_save_then_load_in_new_processes(where: Any) -> None:
     assert run_ranks(2, _save_rank, root, opts, "run/step-10", 10, timeout=150) == [True, True]
     objects = raw(fs, root_path, "run")
     assert f"run/step-10/{COMMIT_NAME}" in objects
-    assert {k for k in objects if k.startswith("run/step-10/")} == {f"run/step-10/{COMMIT_NAME}"}
-    names = {k.rsplit(".", 1)[0] for k in objects if "/tmp_step-10/" in k and ".dcpv" not in k}
-    assert names == {f"run/tmp_step-10/{n}" for n in
+    assert not [k for k in objects if "/tmp_step-10/" in k]  # every byte in its checkpoint
+    assert len([k for k in objects if "/.dcpv-manifest-" in k]) == 1
+    assert not [k for k in objects if "/.dcpv-rank-" in k]  # the ranks' records: removed
+    names = {k.rsplit(".", 1)[0] for k in objects if "/.dcpv" not in k and k != f"run/step-10/{COMMIT_NAME}"}
+    assert names == {f"run/step-10/{n}" for n in
                      ("model_0.pt", "model_1.pt", "step_0.pt", "step_1.pt")}
     # Fresh processes, each rank its own files: bit-identical
     assert run_ranks(2, _load_rank, root, opts, "run/step-10", 10, timeout=120) == [True, True]
@@ -156,9 +161,11 @@ def test_killed_save_is_invisible_and_a_retry_commits_only_its_own_files(where: 
     name = "run/step-20"
     reported = run_ranks_with_victim(2, 1, _killed_save_rank, root, opts, name, timeout=120)
     assert reported[0][0] and reported[0][1] != "saved", reported
-    staged = raw(fs, root_path, "run/tmp_step-20")
+    staged = raw(fs, root_path, name)
     assert any("model_1.pt." in k for k in staged) and any("extra_1_1.pt." in k for k in staged)
-    assert not raw(fs, root_path, name)  # every byte durable, still no checkpoint
+    assert any("/.dcpv-rank-1-of-2-" in k for k in staged)  # rank 1 recorded, then died
+    assert f"{name}/{COMMIT_NAME}" not in staged  # every byte durable, still no checkpoint
+    assert not any("/.dcpv-manifest-" in k for k in staged)
     st = storage(root, opts)
     assert not st.exists(Path(name))
     manager = CheckpointManager(config(root, opts))
@@ -170,19 +177,19 @@ def test_killed_save_is_invisible_and_a_retry_commits_only_its_own_files(where: 
     assert not st.exists(Path(f"{name}/model_1.pt")) and not st.exists(Path(f"{name}/extra_1_1.pt"))
     with pytest.raises(FileNotFoundError):
         st.getsize(Path(f"{name}/model_1.pt"))
-    left = raw(fs, root_path, "run/tmp_step-20")
+    left = raw(fs, root_path, name)
     assert not any("model_1.pt." in k or "extra_1_1" in k for k in left)  # stale ones removed
     # Saving again to a committed checkpoint fails and leaves its bytes untouched
-    before = raw(fs, root_path, "run/tmp_step-20")
-    with pytest.raises(FileExistsError):
+    before = raw(fs, root_path, name)
+    with pytest.raises(FileExistsError, match="Checkpoint already exists"):
         manager.save(name, payload(0, 22))
     assert same(dict(manager.load(name, into=blank())), payload(0, 21))
-    assert {k: v for k, v in raw(fs, root_path, "run/tmp_step-20").items() if k in before} == before
+    assert raw(fs, root_path, name) == before  # the refused save's objects removed too
     with pytest.raises(FileNotFoundError, match="never change"):
         st.delete(Path(f"{name}/model_0.pt"))
     st.rmdir(Path(name))
     assert not st.exists(Path(name)) and not raw(fs, root_path, name)
-    assert not raw(fs, root_path, "run/tmp_step-20")
+    assert not raw(fs, root_path, "run/tmp_step-20")  # the temporary directory held nothing
     manager.close()
 
 
@@ -206,7 +213,7 @@ def test_commit_takes_only_this_jobs_records_of_every_rank(where: Any) -> None:
     assert a0.exists(Path("c/tmp_x")) and not a0.exists(Path("c/x"))
     with pytest.raises(errors.IncompleteCheckpointError, match="this job"):
         a0.rename(Path("c/tmp_x"), Path("c/x"), is_directory=True)
-    assert not a0.exists(Path("c/x")) and not raw(fs, root_path, "c/x")
+    assert not a0.exists(Path("c/x")) and f"c/x/{COMMIT_NAME}" not in raw(fs, root_path, "c/x")
     a1.write_rank_record(Path("c/tmp_x"))
     a0.rename(Path("c/tmp_x"), Path("c/x"), is_directory=True)
     reader = storage(root, opts)
@@ -214,8 +221,9 @@ def test_commit_takes_only_this_jobs_records_of_every_rank(where: Any) -> None:
     assert reader.read(Path("c/x/model_1.pt")) == b"one"
     assert reader.getsize(Path("c/x/model_0.pt")) == 4
     assert b1.exists(Path("c/x/model_1.pt")) and not reader.exists(Path("c/x/part.tmp"))
-    left = raw(fs, root_path, "c/tmp_x")  # job B's staged object went with the commit
-    assert len([k for k in left if ".dcpv-ranks" not in k]) == 2
+    left = raw(fs, root_path, "c/x")  # job B's staged object and the records went
+    assert len([k for k in left if "/.dcpv-" not in k and not k.endswith(COMMIT_NAME)]) == 2
+    assert not any("/.dcpv-rank-" in k for k in left) and not raw(fs, root_path, "c/tmp_x")
     with pytest.raises(FileExistsError):
         a0.rename(Path("c/tmp_x"), Path("c/x"), is_directory=True)
     with pytest.raises(FileNotFoundError):  # recorded files are the commit's, not the rank's
@@ -230,36 +238,103 @@ def test_no_record_callback_means_no_commit(where: Any) -> None:
     manager = CheckpointManager(cfg)
     with pytest.raises(errors.IncompleteCheckpointError, match="record_rank_files"):
         manager.save("bare/step-1", payload(0, 1))
-    assert not raw(fs, root_path, "bare/step-1")
+    assert f"bare/step-1/{COMMIT_NAME}" not in raw(fs, root_path, "bare/step-1")
     assert not storage(root, opts).exists(Path("bare/step-1"))
     manager.close()
 
 
+def _crafted(metadata: bytes, **change: Any) -> bytes:
+    """The test's own edit of a stored ``.metadata`` (trusted here: written by the test)."""
+    md = pickle.loads(metadata)
+    (index, info), *_ = [(i, v) for i, v in md.storage_data.items() if i.fqn == "model_0.pt"]
+    md.storage_data[index] = dataclasses.replace(info, **change)
+    return pickle.dumps(md)
+
+
+class _Evil:
+    def __reduce__(self) -> Any:
+        return (os.getcwd, ())
+
+
 def test_commit_record_is_untrusted(where: Any) -> None:
+    """The commit (``.metadata`` and manifest) and the data are read as untrusted input:
+    through the package's allow-listed, bounded parsers and each block's CRC32C."""
     root, opts, fs, root_path = where
     manager = CheckpointManager(config(root, opts))
     manager.save("t/step-1", payload(0, 1))
-    marker = f"{root_path}/t/step-1/{COMMIT_NAME}"
-    good = json.loads(fs.cat_file(marker))
-    key, size = good["files"]["model_0.pt"]
+    stored = raw(fs, root_path, "t/step-1")
+    meta_path = f"{root_path}/t/step-1/{COMMIT_NAME}"
+    (manifest_key,) = [k for k in stored if "/.dcpv-manifest-" in k]
+    manifest_path = f"{root_path}/{manifest_key}"
+    metadata, manifest = fs.cat_file(meta_path), fs.cat_file(manifest_path)
+    good = json.loads(manifest)
+    (data_key, entry), *_ = [(k, v) for k, v in good["files"].items() if k.startswith("model_0")]
+    data_path = f"{root_path}/t/step-1/{data_key}"
+    data = fs.cat_file(data_path)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    bigger = {**good, "files": {**good["files"], data_key: {**entry, "size": entry["size"] + 1}}}
     cases = [
-        ({**good, "files": {**good["files"], "model_0.pt": ["t/other/x.pt", size]}},
-         errors.UnsafeCheckpointError),
-        ({**good, "files": {**good["files"], "model_0.pt": ["t/tmp_step-1/../../x", size]}},
-         errors.UnsafeCheckpointError),
-        ({**good, "files": {**good["files"], "model_0.pt": [key, size + 1]}},
-         errors.IntegrityError),
-        ({**good, "format": "something/else"}, errors.IntegrityError),
+        (meta_path, _crafted(metadata, relative_path="../../x"), errors.UnsafeCheckpointError),
+        (meta_path, _crafted(metadata, relative_path="other.pt"), errors.IntegrityError),
+        (meta_path, pickle.dumps(_Evil()), errors.UnsafeCheckpointError),
+        (manifest_path, json.dumps(bigger).encode(), errors.IntegrityError),
+        (manifest_path, json.dumps({**good, "format": 99}).encode(), errors.IntegrityError),
+        (data_path, bytes(flipped), errors.IntegrityError),  # one bit: its block's CRC32C
     ]
-    for bad, error in cases:
-        fs.pipe_file(marker, json.dumps(bad).encode())
+    for path, bad, error in cases:
+        fs.pipe_file(path, bad)
         with pytest.raises(error):
             CheckpointManager(config(root, opts)).load("t/step-1", into=blank())
-    fs.pipe_file(marker, json.dumps(good).encode())
+        fs.pipe_file(meta_path, metadata)
+        fs.pipe_file(manifest_path, manifest)
+        fs.pipe_file(data_path, data)
     assert same(dict(CheckpointManager(config(root, opts)).load("t/step-1", into=blank())),
                 payload(0, 1))
     with pytest.raises(errors.ConfigError):
         storage(root, opts).write(Path("t/x/../../y"), b"1")
+    manager.close()
+
+
+_CALLED: list[str] = []
+
+
+def _mine(args: CallbackArgs) -> None:
+    _CALLED.append(args.path)
+
+
+def test_manager_config_runs_your_pre_finalize_callback_then_records(where: Any) -> None:
+    """issue 26: ``pre_finalize_callback=`` raised 'got multiple values for keyword
+    argument'; now yours runs, then the rank's files are recorded, and the save commits."""
+    root, opts, fs, root_path = where
+    manager = CheckpointManager(config(root, opts, pre_finalize_callback=_mine))
+    manager.save("cb/step-1", payload(0, 1))
+    assert _CALLED and _CALLED[-1].endswith("cb/tmp_step-1")
+    assert f"cb/step-1/{COMMIT_NAME}" in raw(fs, root_path, "cb/step-1")
+    assert same(dict(manager.load("cb/step-1", into=blank())), payload(0, 1))
+    manager.close()
+    # the default (async) saver sends the chained callback to its writer process
+    manager = CheckpointManager(config(root, opts, sync=False, pre_finalize_callback=_mine))
+    future = manager.save("cb/step-2", payload(0, 2))
+    assert future is not None
+    future.result()
+    assert same(dict(manager.load("cb/step-2", into=blank())), payload(0, 2))
+    manager.close()
+
+
+def test_resume_path_is_the_newest_committed_checkpoint_or_none(where: Any) -> None:
+    root, opts, fs, root_path = where
+    run = f"{root}/resume"
+    assert resume_path(run, storage_options=opts) is None  # a first run: nothing stored
+    manager = CheckpointManager(config(run, opts))
+    manager.save("step-1", payload(0, 1))
+    manager.save("step-2", payload(0, 2))
+    st = storage(run, opts)
+    st.write(Path("tmp_step-3/model_0.pt"), b"staged, never committed")
+    assert "step-3/" in " ".join(raw(fs, root_path, "resume"))
+    assert resume_path(run, storage_options=opts) == "step-2"
+    assert same(dict(manager.load(resume_path(run, storage_options=opts), into=blank())),
+                payload(0, 2))
     manager.close()
 
 
