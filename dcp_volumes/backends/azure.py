@@ -87,7 +87,7 @@ class AzureSink(Sink):
     def _block_id(number: int) -> str:
         return base64.b64encode(f"dcpv-{number:08d}".encode()).decode()
 
-    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
         bc = self._client()
         if part.number == 1 and part.final:
             self._single = True

@@ -189,7 +189,7 @@ class LocalSink(Sink):
                                                    url=self.url, retry_if=never_retry)
             return self._fd
 
-    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
         fd = await self._open()
 
         def _pwrite() -> None:

@@ -213,7 +213,7 @@ class PartBody(io.BytesIO):
     of the part: every read comes from the caller's buffer.
     """
 
-    def __init__(self, data: bytes | bytearray) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
         super().__init__()
         self._view = memoryview(data).cast("B")
         self._pos = 0
@@ -238,14 +238,16 @@ class PartBody(io.BytesIO):
         self._pos = max(0, min(len(self._view), base + offset))
         return self._pos
 
-    def read(self, size: int | None = -1) -> bytes:
+    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+        # A view, not a copy: the HTTP client writes it to the socket (a transport copies
+        # only what the socket did not take at once).
         end = len(self._view) if size is None or size < 0 else min(len(self._view),
                                                                     self._pos + size)
-        chunk = bytes(self._view[self._pos:end])
+        chunk = self._view[self._pos:end]
         self._pos = max(self._pos, end)
         return chunk
 
-    def read1(self, size: int | None = -1) -> bytes:
+    def read1(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
         return self.read(size)
 
     def readinto(self, buffer: Any) -> int:
@@ -284,7 +286,7 @@ class S3Sink(Sink):
     async def _client(self) -> Any:
         return await self.s3.client()
 
-    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
         s3 = await self._client()
         checksum = s3_checksum(data, part.crc)
         if part.number == 1 and part.final:

@@ -70,7 +70,7 @@ class Sink:
     async def prepare(self) -> None:
         """Optional early set-up for a file expected to span several parts."""
 
-    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
         raise NotImplementedError
 
     async def complete(self, nparts: int) -> None:
@@ -102,7 +102,7 @@ class StreamSink(Sink):
         """Extra arguments of ``fs.open`` for this store's writer."""
         return {}
 
-    async def put_part(self, part: Part, data: bytes | bytearray) -> None:
+    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
         def _write() -> None:
             if self._file is None:
                 self._file = self.backend.fs.open(self.path, "wb", **self.open_kwargs())

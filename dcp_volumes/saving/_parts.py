@@ -25,27 +25,37 @@ __all__ = ["PartStream", "SpooledPart"]
 class SpooledPart:
     """A part of a spool file: what the store's sink receives (:attr:`part`), and its bytes,
     held in memory (:attr:`buffer`, memory mode) or read back from the spool file by
-    :meth:`read` (disk mode, possibly again on a retry)."""
+    :meth:`read` (disk mode) into a buffer that :meth:`done` gives back (``recycle``)."""
 
     part: Part
-    buffer: bytearray | None = None
-    reader: Callable[[int, int], bytes] | None = None
+    buffer: bytearray | memoryview | None = None
+    reader: Callable[[int, int], bytes | memoryview] | None = None
     release: Callable[[], None] | None = None
+    recycle: Callable[[memoryview], None] | None = None
+    _held: memoryview | None = None
 
-    def read(self) -> bytes | bytearray:
-        """The part's bytes (no copy in memory mode: the buffer itself)."""
+    def read(self) -> bytes | bytearray | memoryview:
+        """The part's bytes, with no copy in memory mode (the buffer itself) nor in disk
+        mode (a view of the buffer read back into, valid until :meth:`done`)."""
         if self.buffer is not None:
             return self.buffer
         if self.part.length == 0 or self.reader is None:
             return b""
-        return self.reader(self.part.offset, self.part.length)
+        data = self.reader(self.part.offset, self.part.length)
+        if isinstance(data, memoryview) and self.recycle is not None:
+            self._held = data
+        return data
 
     def done(self) -> None:
-        """Free the part's buffer slot (memory mode); safe to call twice."""
+        """Free the part's buffer slot (memory mode) or read-back buffer (disk mode); safe
+        to call twice."""
         self.buffer = None
         if self.release is not None:
             release, self.release = self.release, None
             release()
+        held, self._held = self._held, None
+        if held is not None and self.recycle is not None:
+            self.recycle(held)
 
 
 class PartStream:

@@ -143,9 +143,11 @@ class SpoolFile:
         spooled = SpooledPart(part)
         if self._disk is not None:
             spooled.reader = self._disk.read
+            spooled.recycle = self._disk.recycle
         else:
             assert self._buf is not None
-            spooled.buffer = self._buf if length == len(self._buf) else self._buf[:length]
+            spooled.buffer = (self._buf if length == len(self._buf)
+                              else memoryview(self._buf)[:length])
             if self._buf_release is not None:
                 spooled.release = self._buf_release.release
             self._buf, self._buf_len, self._buf_release = None, 0, None

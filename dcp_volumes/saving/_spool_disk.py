@@ -21,6 +21,7 @@ from dcp_volumes.errors import SpoolError
 from dcp_volumes.saving._spool_direct import (
     ALIGN,
     DIRECT_BUFFER,
+    READ_BUFFERS,
     aligned,
     open_direct,
     read_direct,
@@ -44,6 +45,9 @@ class DiskFile:
         # O_DIRECT: bytes gather here until written out whole
         self._direct: mmap.mmap | None = None
         self._direct_len = 0
+        self._buffers = READ_BUFFERS
+        self._buffers.open()
+        self._holds_buffers = True
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
@@ -165,26 +169,37 @@ class DiskFile:
                     "page cache", self.path)
 
     # ---- reading back ------------------------------------------------------------------
-    def read(self, offset: int, length: int) -> bytes:
-        """``length`` bytes at ``offset`` (flushed bytes only)."""
-        data: bytes | None = None
+    def read(self, offset: int, length: int) -> memoryview:
+        """A view of the ``length`` bytes at ``offset`` (flushed bytes only), in a buffer of
+        the process's read-back pool: hand the view to :meth:`recycle` once done with it."""
+        buf = self._buffers.take(length)
+        n: int | None = None
         if self._read_fd >= 0 and offset % ALIGN == 0:
             try:
-                data = read_direct(self._read_fd, offset, length)
+                n = read_direct(self._read_fd, offset, length, buf)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-        if data is None:
+        if n is None:
             # Cached reads see what O_DIRECT wrote (the kernel keeps the two coherent).
-            data = os.pread(self._fd if self._cached_fd < 0 else self._cached_fd,
-                            length, offset)
-        if len(data) != length:
+            fd = self._fd if self._cached_fd < 0 else self._cached_fd
+            with memoryview(buf) as view:
+                n = os.preadv(fd, [view[:length]], offset)
+        if n != length:
+            release_buffer(buf)
             raise SpoolError(f"spool file {self.path!r} is shorter than expected")
-        return data
+        return memoryview(buf)[:length]
+
+    def recycle(self, view: memoryview) -> None:
+        """Give back a view :meth:`read` returned (its buffer is reused once unviewed)."""
+        self._buffers.give(view)
 
     # ---- the end -------------------------------------------------------------------------
     def discard(self) -> None:
         """Unlink the file first, then close what it holds (idempotent); never raises."""
+        if self._holds_buffers:
+            self._holds_buffers = False
+            self._buffers.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -104,6 +104,39 @@ def test_a_part_goes_out_only_once_written(disk_dir: Path) -> None:
         sf.discard()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "cached"])
+def test_parts_are_read_back_into_reused_buffers(disk_dir: Path, direct: bool) -> None:
+    """Issue 28: a part read back for upload is a view of a pooled buffer (no copy, no fresh
+    pages per part); once the part is done the next one reuses it, but never while any view
+    of it is alive (a request body a client still holds), and the pool is emptied when the
+    last spool file closes."""
+    from dcp_volumes.saving._spool_direct import READ_BUFFERS
+
+    pieces = [os.urandom(MiB) for _ in range(17)]
+    sf, parts, whole = _spool(disk_dir, 4 * MiB, pieces, direct)
+    try:
+        assert len(parts) == 5
+        reused = READ_BUFFERS.reused
+        first = parts[0].read()
+        assert isinstance(first, memoryview) and bytes(first) == whole[:4 * MiB]
+        kept = first[:4096]  # a client still holds part of the body
+        parts[0].done()
+        second = parts[1].read()
+        assert bytes(second) == whole[4 * MiB:8 * MiB]
+        assert READ_BUFFERS.reused == reused  # part 1's buffer was still viewed
+        assert bytes(kept) == whole[:4096]  # and was not overwritten
+        del kept
+        parts[1].done()
+        third = parts[2].read()
+        assert READ_BUFFERS.reused == reused + 1  # part 2's buffer, unviewed, came back
+        assert bytes(third) == whole[8 * MiB:12 * MiB]
+        parts[2].done()
+        parts[2].done()  # twice is harmless
+    finally:
+        sf.discard()
+    assert READ_BUFFERS.take(4 * MiB) is not None and READ_BUFFERS.reused == reused + 1
+
+
 def test_tmpfs_falls_back_to_cached_writes() -> None:
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
