@@ -1,4 +1,5 @@
-"""S3 (and S3-compatible stores): s3fs for listings, aiobotocore for every upload.
+"""S3 (and S3-compatible stores): s3fs for listings, aiobotocore for every upload
+(:mod:`~dcp_volumes.backends.s3_upload`) and every ranged read.
 
 Uploads are multipart with every request carrying the part's CRC32C
 (``x-amz-checksum-crc32c``), which lets botocore's SHA-256 payload signing be off: a body
@@ -10,30 +11,21 @@ where the store's answer lacks the field s3fs needs.
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
-import io
 import logging
 import os
 from typing import Any, ClassVar
 
-import crc32c
-
 from dcp_volumes import errors
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
-from dcp_volumes.backends.sink import Part, Sink
+from dcp_volumes.backends.s3_upload import S3Sink, s3_checksum
+from dcp_volumes.backends.sink import Sink
 from dcp_volumes.backends.translate import status_and_code
 from dcp_volumes.backends.versions import ObjectVersion, changed
 
-__all__ = ["PartBody", "S3Backend", "S3Sink", "s3_checksum"]
+__all__ = ["S3Backend"]
 
 logger = logging.getLogger(__name__)
-
-
-def s3_checksum(data: bytes | bytearray | memoryview, crc: int | None = None) -> dict[str, str]:
-    """The ``ChecksumCRC32C`` argument of an S3 PUT of ``data`` (``crc`` if already known)."""
-    value = crc32c.crc32c(data) if crc is None else crc
-    return {"ChecksumCRC32C": base64.b64encode(value.to_bytes(4, "big")).decode("ascii")}
 
 
 class S3Backend(Backend):
@@ -109,17 +101,42 @@ class S3Backend(Backend):
                           end: int) -> bytes:
         if pin.tag is None or end <= start:
             return await super()._get_pinned(relative, pin, start, end)
+        async with await self._ranged(relative, start, end, pin) as body:
+            return await body.read()  # type: ignore[no-any-return]
+
+    async def _get_into(self, relative: str, out: memoryview, start: int,
+                        pin: ObjectVersion | None) -> int:
+        # Each piece the HTTP client received is copied once, into ``out``: no joined
+        # bytes object, no second copy where a caller assembles a large range.
+        if not len(out) or (pin is not None and pin.tag is None):
+            return await super()._get_into(relative, out, start, pin)
+        n = 0
+        async with await self._ranged(relative, start, start + len(out), pin) as body:
+            while n < len(out):
+                chunk = await body.read(len(out) - n)
+                if not chunk:
+                    break
+                out[n:n + len(chunk)] = chunk
+                n += len(chunk)
+        return n
+
+    async def _ranged(self, relative: str, start: int, end: int,
+                      pin: ObjectVersion | None) -> Any:
+        """The body of a GET of bytes ``[start, end)``; with ``pin``, If-Match its ETag
+        (another version now raises :func:`~dcp_volumes.backends.versions.changed`)."""
         bucket, key, _ = self.fs.split_path(self.path(relative))
+        kwargs: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+        if pin is not None:
+            kwargs["IfMatch"] = pin.tag
         s3 = await self.client()
         try:
-            resp = await s3.get_object(Bucket=bucket, Key=key, IfMatch=pin.tag,
-                                       Range=f"bytes={start}-{end - 1}")
+            resp = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
         except Exception as exc:
-            if status_and_code(exc)[0] == 412 or status_and_code(exc)[1] == "PreconditionFailed":
+            status, code = status_and_code(exc)
+            if pin is not None and (status == 412 or code == "PreconditionFailed"):
                 raise changed(self.object_url(relative), pin, None) from exc
             raise
-        async with resp["Body"] as body:
-            return await body.read()  # type: ignore[no-any-return]
+        return resp["Body"]
 
     async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:
         # One PutObject whatever the size (s3fs would go multipart past 2 chunks, where a
@@ -201,154 +218,3 @@ class S3Backend(Backend):
             raise ClientError({"Error": {"Code": failed[0].get("Code"),
                                          "Message": failed[0].get("Message", "")}},
                               "DeleteObjects")
-
-
-class PartBody(io.BytesIO):
-    """A seekable read-only view of a part's bytes for an HTTP request body, with no copy.
-
-    botocore wraps a ``bytes`` body in a ``BytesIO`` (a copy for ``bytearray`` parts), and
-    aiohttp sends any other file-like body by reading it in a thread pool, one executor
-    round trip per 256 KiB. Being a ``BytesIO``, this view is sent the way aiohttp sends
-    in-memory buffers (read on the event loop, no thread hop), yet it holds no second copy
-    of the part: every read comes from the caller's buffer.
-    """
-
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        super().__init__()
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def getbuffer(self) -> memoryview:
-        return self._view[:]
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
-        return self._pos
-
-    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        # A view, not a copy: the HTTP client writes it to the socket (a transport copies
-        # only what the socket did not take at once).
-        end = len(self._view) if size is None or size < 0 else min(len(self._view),
-                                                                    self._pos + size)
-        chunk = self._view[self._pos:end]
-        self._pos = max(self._pos, end)
-        return chunk
-
-    def read1(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        return self.read(size)
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), len(self._view) - self._pos)
-        buffer[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def getvalue(self) -> bytes:
-        return bytes(self._view)
-
-    def write(self, _: Any) -> int:
-        raise io.UnsupportedOperation("a part body is read-only")
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-
-class S3Sink(Sink):
-    """Multipart upload; every request carries the part's CRC32C, which the store verifies.
-
-    The checksum header is what lets :class:`S3Backend` turn botocore's
-    SHA-256 payload signing off on ``http://`` endpoints (see :meth:`S3Backend.client_options`): corruption in
-    transit is still refused by the store (``BadDigest``, retried), at a quarter of the CPU.
-    """
-
-    def __init__(self, backend: S3Backend, relative: str, stats: CallStats) -> None:
-        super().__init__(backend, relative, stats)
-        self.s3 = backend
-        self.bucket, self.key, _ = backend.fs.split_path(self.path)
-        self._upload_id: str | None = None
-        self._create_lock = asyncio.Lock()
-        self._parts: dict[int, dict[str, Any]] = {}
-        self._single = False
-
-    async def _client(self) -> Any:
-        return await self.s3.client()
-
-    async def put_part(self, part: Part, data: bytes | bytearray | memoryview) -> None:
-        s3 = await self._client()
-        checksum = s3_checksum(data, part.crc)
-        if part.number == 1 and part.final:
-            self._single = True
-            await self.backend.call(
-                lambda: s3.put_object(Bucket=self.bucket, Key=self.key, Body=PartBody(data),
-                                      **checksum),
-                op="upload", url=self.url, stats=self.stats,
-            )
-            return
-        await self.prepare()
-        resp = await self.backend.call(
-            lambda: s3.upload_part(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                PartNumber=part.number, Body=PartBody(data), **checksum,
-            ),
-            op="upload", url=self.url, stats=self.stats,
-        )
-        self._parts[part.number] = {"PartNumber": part.number, "ETag": resp["ETag"], **checksum}
-
-    async def prepare(self) -> None:
-        """Start the multipart upload (once); called early for files known to be large."""
-        async with self._create_lock:
-            if self._upload_id is None:
-                s3 = await self._client()
-                resp = await self.backend.call(
-                    lambda: s3.create_multipart_upload(Bucket=self.bucket, Key=self.key,
-                                                       ChecksumAlgorithm="CRC32C"),
-                    op="upload", url=self.url, stats=self.stats,
-                )
-                self._upload_id = resp["UploadId"]
-
-    async def complete(self, nparts: int) -> None:
-        if self._single:
-            if self._upload_id is not None:  # started early, but the file fit in one part
-                await self.abort_upload()
-            return
-        s3 = await self._client()
-        parts = [self._parts[n] for n in range(1, nparts + 1)]
-        await self.backend.call(
-            lambda: s3.complete_multipart_upload(
-                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
-            ),
-            op="upload", url=self.url, stats=self.stats,
-        )
-        self._upload_id = None
-
-    async def abort_upload(self) -> None:
-        if self._upload_id is not None:
-            s3 = await self._client()
-            upload_id, self._upload_id = self._upload_id, None
-            await self.backend.call(
-                lambda: s3.abort_multipart_upload(
-                    Bucket=self.bucket, Key=self.key, UploadId=upload_id),
-                op="abort", url=self.url,
-            )
-
-    async def abort(self) -> None:
-        try:
-            await self.abort_upload()
-        except Exception as exc:  # noqa: BLE001 — best effort; gc collects leftovers
-            logger.warning("could not abort the upload of %s after a failed save: %s",
-                           self.url, type(exc).__name__)
-        await self._remove_quietly()

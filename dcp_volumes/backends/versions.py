@@ -122,7 +122,30 @@ class VersionedReads:
         return await self.call(lambda: self._get_pinned(relative, pin, start, end),
                                op="download", url=self.object_url(relative), stats=stats)
 
+    async def cat_into(self, relative: str, out: memoryview, *, start: int,
+                       pin: ObjectVersion | None = None, stats: CallStats | None = None
+                       ) -> int:
+        """Read bytes ``[start, start + len(out))`` of the object (version ``pin``, when
+        given) into ``out``; returns how many arrived (fewer: the object is shorter).
+        Stores that can stream a body fill ``out`` as it arrives, with no other copy.
+
+        Raises:
+            CheckpointChangedError: ``pin`` given, and the object is gone or another
+                version now.
+        """
+        return await self.call(lambda: self._get_into(relative, out, start, pin),
+                               op="download", url=self.object_url(relative), stats=stats)
+
     # ---- raw single attempts (overridden per store) ---------------------------------------
+    async def _get_into(self, relative: str, out: memoryview, start: int,
+                        pin: ObjectVersion | None) -> int:
+        end = start + len(out)
+        data = await (self._get(relative, start, end) if pin is None
+                      else self._get_pinned(relative, pin, start, end))
+        n = min(len(data), len(out))
+        out[:n] = memoryview(data)[:n]
+        return n
+
     async def _pin(self, relative: str) -> ObjectVersion:
         path = self.path(relative)
         self.fs.invalidate_cache(path)

@@ -86,15 +86,27 @@ class _Fetches:
         chunk_size = self.chunk_size
         if req.end - req.start <= chunk_size:
             return await self._get(req, req.start, req.end)
-        # One large item: parallel ranged GETs of chunk_size, assembled in place.
+        # One large item: parallel ranged GETs of chunk_size, each read straight into its
+        # place in the item's buffer (no chunk held apart and copied again).
+        out = bytearray(req.end - req.start)
+        view = memoryview(out)
         bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
-        chunks = await asyncio.gather(*(self._get(req, a, b) for a, b in bounds))
-        out = bytearray(sum(len(c) for c in chunks))
-        pos = 0
-        for chunk in chunks:
-            out[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
+        try:
+            got = await asyncio.gather(*(self._get_into(req, view[a - req.start:b - req.start], a)
+                                         for a, b in bounds))
+        finally:
+            view.release()
+        for (a, b), n in zip(bounds, got):
+            if n != b - a:  # the object is shorter: the checks report it truncated
+                del out[a - req.start + n:]
+                break
         return out
+
+    async def _get_into(self, req: RangeRequest, out: memoryview, start: int) -> int:
+        async with self.inflight:
+            return await self.backend.cat_into(req.relative, out, start=start,
+                                               pin=self.pins.get(req.relative),
+                                               stats=self.stats)
 
 
 #: the smallest GET a large range is split into so that it uses the allowed concurrency
