@@ -42,6 +42,8 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
                                                   "_spool_disk.py:read")),
     ("part body copies (PartBody)", ("backends/s3.py:read", "s3_upload.py:read")),
     ("copy into the target tensors (load)", ("loading/apply.py",)),
+    ("GET bodies read (joined, or copied into the item's buffer)", (
+        "backends/s3.py:_get", "backends/versions.py:_get_into")),
     ("assembling GET chunks (load)", ("transfer/download.py",)),
     ("serialization (torch.save into the spool)", ("torch/serialization.py",)),
     ("HTTP client + event loop", ("aiohttp/", "aiobotocore/", "botocore/", "asyncio/", "s3fs/",
@@ -140,7 +142,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="unprofiled save+load rounds")
     ap.add_argument("--out", required=True, help="directory for the profiles and phases.json")
     ap.add_argument("--no-profile", action="store_true", help="only the CPU rounds")
+    ap.add_argument("--resummarize", action="store_true",
+                    help="measure nothing: bucket --out's save.txt/load.txt again and print")
     args = ap.parse_args()
+    if args.resummarize:
+        with open(os.path.join(args.out, "phases.json")) as f:
+            rows = json.load(f)
+        for what in ("save", "load"):
+            rows[f"{what}_phases"] = summarize(os.path.join(args.out, f"{what}.txt"))
+        with open(os.path.join(args.out, "phases.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(render(rows))
+        return 0
     import torch
     import torch.distributed.checkpoint as dcp
 

@@ -112,12 +112,16 @@ class S3Backend(Backend):
             return await super()._get_into(relative, out, start, pin)
         n = 0
         async with await self._ranged(relative, start, start + len(out), pin) as body:
+            # aiohttp's reader hands over each received piece as it is (read(n) would join
+            # the pieces buffered so far into a new bytes object first: a second copy)
+            content = body.raw_stream.content
             while n < len(out):
-                chunk = await body.read(len(out) - n)
+                chunk, _ = await content.readchunk()
                 if not chunk:
                     break
-                out[n:n + len(chunk)] = chunk
-                n += len(chunk)
+                take = min(len(chunk), len(out) - n)
+                out[n:n + take] = memoryview(chunk)[:take]
+                n += take
         return n
 
     async def _ranged(self, relative: str, start: int, end: int,
