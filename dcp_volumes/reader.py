@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,15 +16,20 @@ from torch.futures import Future
 from dcp_volumes import _compat, _layout, _typed, errors, tier
 from dcp_volumes._location import Location
 from dcp_volumes._manifest import Manifest
+from dcp_volumes._reader_args import (
+    checked_cooperative,
+    checked_local_commit,
+    checked_local_tier,
+    checked_safe_globals,
+    checked_timeout,
+)
 from dcp_volumes._shared_commit import read_commit
 from dcp_volumes.backends import CallStats, redact_url
 from dcp_volumes.backends.versions import ObjectVersion
 from dcp_volumes.config import LocalTierOptions, RetryOptions, TransferOptions
 from dcp_volumes.loading import cooperative
-from dcp_volumes.loading.apply import PlannerTarget
-from dcp_volumes.loading.direct import TierRead, read_store, read_tier
-from dcp_volumes.loading.needs import Need, plan_needs
-from dcp_volumes.loading.sources import LocalTierSource, StoreSource
+from dcp_volumes.loading.cooperative.coordinate import coordinate
+from dcp_volumes.loading.rank_read import RankRead
 from dcp_volumes.stats import LoadStats
 from dcp_volumes.transfer import transforms
 
@@ -125,25 +128,11 @@ class VolumeReader(Location, StorageReader):
         self._init_location(path, storage_options, retry)
         self.transfer = transfer or TransferOptions()
         self.verify = bool(verify)
-        if isinstance(safe_globals, (str, bytes)) or not isinstance(safe_globals, Sequence):
-            raise errors.ConfigError(
-                "safe_globals= must be a list of classes/functions (as for "
-                f"torch.serialization.add_safe_globals), got {type(safe_globals).__name__}")
-        self.safe_globals = tuple(safe_globals)
+        self.safe_globals = checked_safe_globals(safe_globals)
         self.extension_registry = transforms.checked_registry(extension_registry)
-        if cooperative not in (True, False, "auto"):
-            raise errors.ConfigError(
-                f"cooperative= must be True, False or 'auto', got {cooperative!r}")
-        self.cooperative: bool | Literal["auto"] = cooperative
-        self.cooperative_timeout_s = _seconds(cooperative_timeout_s)
-        if local_tier is not None and not isinstance(local_tier, LocalTierOptions):
-            raise errors.ConfigError(
-                f"local_tier= must be a LocalTierOptions or None, got {type(local_tier).__name__}")
-        if local_tier is not None and not self.verify:
-            raise errors.ConfigError(
-                "local_tier= needs verify=True: local copies are used only when every byte "
-                "can be checked against the committed manifest")
-        self.local_tier = local_tier
+        self.cooperative: bool | Literal["auto"] = checked_cooperative(cooperative)
+        self.cooperative_timeout_s = checked_timeout(cooperative_timeout_s)
+        self.local_tier = checked_local_tier(local_tier, verify=self.verify)
         self._local: dict[str, tier.LocalFile] = {}
         self._local_rejected: dict[str, str] = {}
         self._storage_data: dict[Any, Any] = {}
@@ -156,11 +145,7 @@ class VolumeReader(Location, StorageReader):
         #: the typed error of the last failed read_metadata/read_data on this rank
         self.last_error: errors.DCPVolumesError | None = None
         self._metadata_retries = 0  # retries of the .metadata and manifest reads
-        if local_commit is not None and not isinstance(local_commit, tier.LocalCommit):
-            raise errors.ConfigError(
-                "local_commit= must be a LocalCommit (from a local-only save found in the "
-                f"local tier) or None, got {type(local_commit).__name__}")
-        self._local_commit = local_commit
+        self._local_commit = checked_local_commit(local_commit)
 
     def __repr__(self) -> str:
         return f"VolumeReader({redact_url(self._url)!r})"
@@ -252,30 +237,10 @@ class VolumeReader(Location, StorageReader):
         """Plan a cooperative load when the ranks share bytes (see ``cooperative=``)."""
         if self.cooperative is False:
             return plans
-        url = redact_url(self._url)
-        try:
-            # a rank reads what it needs of its local files itself (left out here), and
-            # serves those files to the ranks that need them
-            needs = [_from_store(plan_needs(p.items, self._storage_data, self._manifest, url,
-                                            self._metadata, self.extension_registry),
-                                 getattr(p.storage_data, "local_files", frozenset()))
-                     for p in plans]
-        except errors.DCPVolumesError as exc:
-            # the rank concerned raises it in read_data, with its own reads at hand
-            logger.debug("no cooperative load of %s: %s", url, exc)
-            return plans
-        assigned, why = cooperative.assign(
-            needs, [p.storage_data for p in plans], unit_bytes=self.transfer.part_size,
-            gap=self.transfer.coalesce_gap)
-        if assigned is None or isinstance(why, str):
-            log = logger.warning if self.cooperative is True and len(plans) > 1 else logger.debug
-            log("%s: every rank reads directly: %s", url, why)
-            return plans
-        logger.info("cooperative load of %s on %d ranks: %d unique bytes (%d shared, %d read "
-                    "from local tiers) read once instead of %d, in %d bundles and %d rounds",
-                    url, why.ranks, why.unique_bytes, why.shared_bytes, why.local_bytes,
-                    why.direct_bytes, why.bundles, why.rounds)
-        return [dataclasses.replace(p, storage_data=a) for p, a in zip(plans, assigned)]
+        return coordinate(plans, mode=self.cooperative, storage_data=self._storage_data,
+                          manifest=self._manifest, metadata=self._metadata,
+                          extension_registry=self.extension_registry, transfer=self.transfer,
+                          url=redact_url(self._url))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
@@ -285,98 +250,19 @@ class VolumeReader(Location, StorageReader):
             raise
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """This rank's needs: from its local tier first, then from the peers (cooperative:
-        the bytes several ranks need) or the store."""
+        """This rank's needs, nearest source first (:class:`~dcp_volumes.loading.rank_read.
+        RankRead`)."""
         url = redact_url(self._url)
-        start = time.monotonic()
-        target = PlannerTarget(planner, self.safe_globals)
-        coop = plan.storage_data if isinstance(plan.storage_data, cooperative.Assignment) \
-            else None
-        if coop is None:
-            tiered = self._read_tier(plan, target, url, cooperative=False)
-            figures = None
-        else:
-            tiered, figures = self._read_cooperative(plan, planner, coop, target, url)
-        store_needs = tiered.fallback if figures is not None else \
-            tiered.fallback + tiered.elsewhere
-        self._only_local(store_needs, url)
-        store = self._store(url) if store_needs else None
-        nranges = read_store(store_needs, store, target, gap=self.transfer.coalesce_gap,
-                             max_size=self.transfer.max_range_size, url=url) if store else 0
-        fig = figures or cooperative.ExchangeFigures()
-        return self._done(LoadStats(
-            rank=self._rank, bytes_needed=sum(n.needed for n in tiered.needs),
-            bytes_fetched=fig.bytes_fetched + (store.fetched if store else 0),
-            items=len(tiered.needs), ranges=fig.ranges + nranges,
-            fetch_s=time.monotonic() - start, verified=self._verified,
-            retries=(fig.calls.retries + (store.stats.retries if store else 0)
-                     + self._metadata_retries),
-            cooperative=figures is not None, bytes_from_peers=fig.bytes_from_peers,
-            bytes_to_peers=fig.bytes_to_peers, rounds=fig.rounds, peer_wait_s=fig.wait_s,
-            bytes_from_local=tiered.bytes_used + fig.bytes_from_local,
-            local_fallbacks=self._fallbacks(tiered) + fig.local_fallbacks,
-        ), url)
-
-    @property
-    def _sizes(self) -> dict[str, int] | None:
-        """The shard files' sizes the checked manifest holds (no HEAD per file and rank)."""
-        if self._manifest is None:
-            return None
-        return {name: entry.size for name, entry in self._manifest.files.items()}
-
-    def _store(self, url: str) -> StoreSource:
-        return StoreSource(self.backend(), url, max_concurrency=self.transfer.max_concurrency,
-                           chunk_size=self.transfer.part_size, stats=CallStats(),
-                           pins=self._pins, sizes=self._sizes)
-
-    def _read_tier(self, plan: LoadPlan, target: PlannerTarget, url: str, *,
-                   cooperative: bool) -> _Tiered:
-        """This rank's needs, applied from the local tier first. What the store must serve
-        after (and, without ``cooperative``, what the tier does not hold) is checked here
-        against a local-only save, which has no store copy."""
-        needs = plan_needs(plan.items, self._storage_data, self._manifest, url,
-                           self._metadata, self.extension_registry)
-        for relative in sorted({n.relative for n in needs} & set(self._local_rejected)):
-            logger.warning("local copy of shard %s of %s is not used: %s; reading it from "
-                           "the store", relative, url, self._local_rejected[relative])
-        read = read_tier(needs, LocalTierSource(self._local, url), target,
-                         gap=self.transfer.coalesce_gap, max_size=self.transfer.max_range_size,
-                         url=url)
-        tiered = _Tiered(read.bytes_used, read.fallback, read.elsewhere, needs)
-        self._only_local(tiered.fallback + ([] if cooperative else tiered.elsewhere), url)
-        return tiered
-
-    def _only_local(self, to_store: list[Need], url: str) -> None:
-        """A local-only save has no store copy: a need left to the store fails the load."""
-        if self._local_commit is not None and to_store:
-            raise errors.IntegrityError(
-                f"rank {self._rank}: shard {to_store[0].relative} of the local-only save of "
-                f"{url} has no usable local copy on this node (and no rank serves it), and "
-                "the store has none: load the newest durable checkpoint instead")
-
-    def _read_cooperative(self, plan: LoadPlan, planner: LoadPlanner,
-                          assignment: cooperative.Assignment, target: PlannerTarget, url: str
-                          ) -> tuple[_Tiered, cooperative.ExchangeFigures | None]:
-        """This rank's part of a cooperative load, after its local tier's: what the tier
-        did, and the exchange's figures (None when the ranks agreed to read directly)."""
-        coop = cooperative.CooperativeRead(
-            assignment, url=url, planner=planner, trusted=self.safe_globals,
-            max_concurrency=self.transfer.max_concurrency,
-            part_size=self.transfer.part_size, max_range_size=self.transfer.max_range_size,
-            timeout_s=self.cooperative_timeout_s, local_files=self._local,
-            store=self._local_commit is None, sizes=self._sizes, pins=self._pins,
-        )
-        tiered, backend, failed = _Tiered(), None, None
-        try:
-            backend = self.backend()
-            tiered = self._read_tier(plan, target, url, cooperative=True)
-        except Exception as exc:  # noqa: BLE001 — coop.run reports it to every rank at once
-            failed = exc
-        return tiered, coop.run(backend, tiered.elsewhere, failed=failed)
-
-    def _fallbacks(self, tiered: _Tiered) -> int:
-        rejected = sum(1 for n in tiered.needs if n.relative in self._local_rejected)
-        return rejected + len(tiered.fallback)
+        stats = RankRead(
+            url=url, backend=self.backend, transfer=self.transfer,
+            storage_data=self._storage_data, manifest=self._manifest, metadata=self._metadata,
+            extension_registry=self.extension_registry, trusted=self.safe_globals,
+            timeout_s=self.cooperative_timeout_s, local=self._local,
+            local_rejected=self._local_rejected, local_only=self._local_commit is not None,
+            pins=self._pins, verified=self._verified, rank=self._rank,
+            metadata_retries=self._metadata_retries,
+        ).run(plan, planner)
+        return self._done(stats, url)
 
     def _done(self, s: LoadStats, url: str) -> Future[None]:
         self.last_stats = s
@@ -391,26 +277,3 @@ class VolumeReader(Location, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-
-def _seconds(value: Any) -> float:
-    """``cooperative_timeout_s=``, checked."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
-        raise errors.ConfigError(
-            f"cooperative_timeout_s= must be a number of seconds > 0, got {value!r}")
-    return float(value)
-
-
-@dataclasses.dataclass
-class _Tiered(TierRead):
-    """This rank's needs, and what its local tier did with them."""
-
-    needs: list[Need] = dataclasses.field(default_factory=list)
-
-
-def _from_store(needs: list[Need], local_files: frozenset[str]) -> list[Need]:
-    """The needs not served by the rank's local tier (the files it found there)."""
-    if not local_files:
-        return needs
-    return [n for n in needs if n.relative not in local_files]
