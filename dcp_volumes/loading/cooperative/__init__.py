@@ -32,8 +32,10 @@ owner checked them); bytes from the store or from a local tier always are, on th
 read them. A local copy that fails its check is fetched from the store by its owner instead
 (or, where there is no store copy — a local-only save — fails the load on every rank).
 
-The package: :mod:`.assign` is the coordinator's pure planner (``assign``), :mod:`.exchange`
-the runtime on every rank (``CooperativeRead``); the bytes move through
+The package: :mod:`.assign` is the coordinator's pure planner (``assign``; :mod:`.coordinate`
+runs it in ``prepare_global_plan``), :mod:`.rank_part` a rank's part of that plan checked
+against its needs (pure), :mod:`.exchange` the runtime on every rank (``CooperativeRead``),
+:mod:`.sendrecv` one round's sends and receives; the bytes move through
 :func:`dcp_volumes.loading.serve.serve` as in a direct read — from the local tier and the store
 for the bundles a rank owns, and from the peer (the bytes received in a round, not checked
 again) into the planner's targets — and the status steps and bounded waits are

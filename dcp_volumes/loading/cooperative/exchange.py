@@ -7,22 +7,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from dcp_volumes import _dist, errors, tier
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.backends.versions import ObjectVersion
 from dcp_volumes.loading.apply import PlannerTarget
-from dcp_volumes.loading.cooperative.assign import Assignment, Bundle, Piece
-from dcp_volumes.loading.cooperative.peer import Held, Keep, PeerRound, RoundBytes, held
-from dcp_volumes.loading.needs import Need, describe, plan_ranges
+from dcp_volumes.loading.cooperative.assign import Assignment, Bundle
+from dcp_volumes.loading.cooperative.peer import Keep, PeerRound, RoundBytes
+from dcp_volumes.loading.cooperative.rank_part import PlanMismatch, RankPart, rank_part
+from dcp_volumes.loading.cooperative.sendrecv import AFTER_TIMEOUT, exchange_round
+from dcp_volumes.loading.needs import Need, plan_ranges
 from dcp_volumes.loading.serve import serve
 from dcp_volumes.loading.sources import CannotServe, LocalTierSource, StoreSource
 from dcp_volumes.transfer.download import RangeRequest
@@ -30,19 +30,6 @@ from dcp_volumes.transfer.download import RangeRequest
 __all__ = ["CooperativeRead", "ExchangeFigures"]
 
 logger = logging.getLogger(__name__)
-
-#: what the surviving ranks' error says about the wait that is not ours to bound
-AFTER_TIMEOUT = (
-    "; dcp.load's own collective after read_data then waits for the lost rank too, up to "
-    "the process group's timeout (30 minutes by default, 10 with NCCL; lower it with "
-    "dist.init_process_group(timeout=...)), before it raises this error"
-)
-
-
-class _Mismatch(Exception):
-    """This rank's needs are not what the coordinator planned for (a planner changed the plan
-    in ``finish_plan``): every rank falls back to direct reads."""
-
 
 @dataclass
 class ExchangeFigures:
@@ -57,10 +44,6 @@ class ExchangeFigures:
     rounds: int = 0
     wait_s: float = 0.0  # waiting on other ranks (status) and on the exchange
     calls: CallStats = field(default_factory=CallStats)
-
-
-def _piece_start(part: tuple[Piece, Bundle]) -> int:
-    return part[0].start
 
 
 def _need_start(need: Need) -> tuple[str, int]:
@@ -113,13 +96,7 @@ class CooperativeRead:
         # filled by run's set-up and _prepare
         self.source: StoreSource | None = None
         self.needs: list[Need] = []
-        self.need_of: dict[tuple[str, int], Need] = {}
-        self.parts: dict[tuple[str, int], list[tuple[Piece, Bundle]]] = {}
-        self.owned: dict[int, list[Held]] = defaultdict(list)
-        self.theirs: dict[int, list[Bundle]] = defaultdict(list)
-        self.round_needs: dict[int, list[Need]] = defaultdict(list)
-        self.ranges: dict[int, list[RangeRequest]] = {}
-        self.local_owned: dict[int, list[Held]] = defaultdict(list)
+        self.part = RankPart()
 
     # ---- the whole load ---------------------------------------------------------------
     def run(self, backend: Backend | None, needs: list[Need], *,
@@ -143,7 +120,7 @@ class CooperativeRead:
             try:
                 self.needs = needs
                 self._prepare(backend)
-            except _Mismatch as exc:
+            except PlanMismatch as exc:
                 logger.warning("rank %d: %s; every rank reads directly", self.me, exc)
                 code = _dist.FALLBACK
             except Exception as exc:  # noqa: BLE001 — reported to every rank by _agree
@@ -199,82 +176,35 @@ class CooperativeRead:
 
     # ---- phases -------------------------------------------------------------------------
     def _prepare(self, backend: Backend | None) -> None:
-        a = self.a
-        mine = tuple(sorted((nd.relative, nd.start, nd.end) for nd in self.needs))
-        if mine != a.needs:
-            raise _Mismatch("the load plan changed after the coordinator planned the "
-                            "cooperative load (a planner's finish_plan?)")
-        self.need_of = {(nd.relative, nd.item_offset): nd for nd in self.needs}
-        for b in a.bundles:
-            if b.owner != self.me:
-                self.theirs[b.round].append(b)
-            elif b.local:
-                if b.relative not in self.local_files:
-                    raise _Mismatch(f"bundle {b.bid} is planned from a local copy of "
-                                    f"{b.relative} this rank does not hold")
-                self.local_owned[b.round].append(held(b, self.need_of))
-            else:
-                if not self.store:
-                    raise errors.IntegrityError(
-                        f"no rank holds a usable local copy of shard {b.relative} of the "
-                        f"local-only save of {self.url}, and the store has none: it cannot "
-                        "be loaded; load the newest durable checkpoint instead")
-                self.owned[b.round].append(held(b, self.need_of))
-            for p in b.pieces:
-                key = (b.relative, p.item_offset)
-                if key not in self.need_of:
-                    if b.owner == self.me:
-                        continue  # served to the others from this rank's local tier
-                    raise _Mismatch(f"bundle {b.bid} serves an item this rank does not need")
-                self.parts.setdefault(key, []).append((p, b))
-        rounds_of: dict[tuple[str, int], set[int]] = {}
-        for key, parts in self.parts.items():
-            need = self.need_of[key]
-            parts.sort(key=_piece_start)
-            pos = need.start
-            for p, _ in parts:
-                if p.start != pos:
-                    break
-                pos = p.end
-            if pos != need.end or parts[-1][0].end != need.end:
-                raise _Mismatch(f"the pieces planned for {describe(need.reads[0])} do not "
-                                "cover what this rank needs")
-            rounds_of[key] = {b.round for _, b in parts}
-        if set(self.parts) != set(self.need_of) or any(len(r) != 1 for r in rounds_of.values()):
-            raise _Mismatch("the cooperative plan does not cover this rank's items")
-        for key, need in self.need_of.items():
-            self.round_needs[next(iter(rounds_of[key]))].append(need)
-        for rnd, owned in self.owned.items():
-            # gap 0: the bytes between two of this rank's bundles belong to other owners
-            # (neighbours with the same consumers were bundled, gaps included)
-            # (and one GET each: a range longer than a part would be assembled, one more copy)
-            self.ranges[rnd] = plan_ranges(owned, gap=0,
-                                           max_size=min(self.part_size, self.max_range_size))
+        """This rank's part (checked against its needs) and the store source for it."""
+        self.part = rank_part(self.a, self.needs, local_files=frozenset(self.local_files),
+                              store=self.store, url=self.url,
+                              max_size=min(self.part_size, self.max_range_size))
         if backend is not None:
             self.source = StoreSource(backend, self.url, max_concurrency=self.max_concurrency,
                                       chunk_size=self.part_size, stats=self.fig.calls,
                                       pins=self.pins, sizes=self.sizes)
-            self.source.check([r for rs in self.ranges.values() for r in rs])
+            self.source.check([r for rs in self.part.ranges.values() for r in rs])
 
     def _destinations(self, rnd: int, st: RoundBytes) -> None:
         """Where each byte this rank receives in round ``rnd`` goes: a tensor's raw bytes
         straight into its target where they map onto it one to one (no copy after), else a
         buffer per larger span or per bundle."""
-        for need in self.round_needs.get(rnd, []):
+        for need in self.part.round_needs.get(rnd, []):
             key = (need.relative, need.item_offset)
             target = self.target.direct(need)
             if target is not None:
                 st.targets[key] = target
-            elif len(self.parts[key]) > 1:
+            elif len(self.part.parts[key]) > 1:
                 st.need_bufs[key] = bytearray(need.end - need.start)
-        for b in self.theirs.get(rnd, []):
+        for b in self.part.theirs.get(rnd, []):
             key = (b.relative, b.pieces[0].item_offset)
             t = st.targets.get(key)
             if len(b.pieces) == 1 and t is not None and t.start <= b.start and b.end <= t.end:
                 st.recv_into[b.bid] = t.view[b.start - t.start:b.end - t.start]
                 st.direct.add(b.bid)
             elif len(b.pieces) == 1 and key in st.need_bufs:
-                need = self.need_of[key]
+                need = self.part.need_of[key]
                 st.recv_into[b.bid] = _dist.uint8_tensor(st.need_bufs[key])[b.start - need.start:
                                                                   b.end - need.start]
             else:
@@ -301,12 +231,12 @@ class CooperativeRead:
         keep = Keep(st)
         local = serve(LocalTierSource(self.local_files, self.url),
                       [RangeRequest(h.relative, h.start, h.end, [h])
-                       for h in self.local_owned.get(rnd, [])],
+                       for h in self.part.local_owned.get(rnd, [])],
                       keep, url=self.url, stop=self._stop)
         self.fig.bytes_from_local += local.nbytes
         for span, why in local.unserved:
             self._local_failed(span.bundle, why)
-        ranges = self.ranges.get(rnd, [])
+        ranges = self.part.ranges.get(rnd, [])
         if local.failed:
             extra = plan_ranges(local.failed, gap=0,
                                 max_size=min(self.part_size, self.max_range_size))
@@ -321,46 +251,22 @@ class CooperativeRead:
             self.fig.bytes_fetched += self.source.fetched - before
 
     def _exchange(self, rnd: int, st: RoundBytes) -> None:
-        """Send this rank's bundles to their consumers; receive the bundles it needs from
-        their owners into the places :meth:`_destinations` chose."""
-        works: list[Any] = []
-        whats: list[str] = []
+        """Send this rank's bundles of round ``rnd`` to their consumers; receive the bundles
+        it needs from their owners into the places :meth:`_destinations` chose."""
+        sends = [h.bundle for h in (*self.part.owned.get(rnd, []),
+                                    *self.part.local_owned.get(rnd, []))]
         start = time.monotonic()
-
-        def fail(i: int, exc: RuntimeError) -> errors.DownloadError:
-            what = whats[i] if i < len(whats) else "?"
-            return errors.DownloadError(
-                f"rank {self.me}: exchanging {what} of {self.url} failed or took longer than "
-                f"{self.timeout_s:.0f}s: a rank died or is stuck{AFTER_TIMEOUT} ({exc})")
-
-        try:
-            for b in self.theirs.get(rnd, []):
-                if b.size == 0:
-                    continue
-                whats.append(f"bytes {b.start}..{b.end} of shard {b.relative} from rank "
-                             f"{b.owner}")
-                works.append(dist.irecv(st.recv_into[b.bid], src=b.owner, group=self.group,
-                                        tag=b.bid))
-                self.fig.bytes_from_peers += b.size
-            for b in [h.bundle for h in (*self.owned.get(rnd, []),
-                                         *self.local_owned.get(rnd, []))]:
-                if not b.consumers or b.size == 0:
-                    continue
-                t = _dist.uint8_tensor(st.data[b.bid])
-                for c in b.consumers:
-                    whats.append(f"bytes {b.start}..{b.end} of shard {b.relative} to rank {c}")
-                    works.append(dist.isend(t, dst=c, group=self.group, tag=b.bid))
-                    self.fig.bytes_to_peers += b.size
-        except RuntimeError as exc:  # the one named last could not even start
-            raise fail(len(whats) - 1, exc) from exc
-        _dist.wait_all(works, start + self.timeout_s - time.monotonic(), fail)
+        got, sent = exchange_round(self.part.theirs.get(rnd, []), sends, st, group=self.group,
+                                   me=self.me, url=self.url, timeout_s=self.timeout_s)
+        self.fig.bytes_from_peers += got
+        self.fig.bytes_to_peers += sent
         self.fig.wait_s += time.monotonic() - start
 
     def _apply(self, rnd: int, st: RoundBytes) -> None:
         """Serve this round's items from the round's bytes (the peer source) into the
         planner's targets."""
-        peer = PeerRound(st, self.parts, self.me)
-        needs = sorted(self.round_needs.get(rnd, []), key=_need_start)
+        peer = PeerRound(st, self.part.parts, self.me)
+        needs = sorted(self.part.round_needs.get(rnd, []), key=_need_start)
         serve(peer, peer.ranges(needs), self.target, url=self.url, last=True)
 
     # ---- status -------------------------------------------------------------------------
