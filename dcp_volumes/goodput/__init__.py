@@ -52,7 +52,8 @@ from dcp_volumes.goodput._model import (
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
 from dcp_volumes.goodput._record import Incarnation, RestoreSample, RunRecord, SaveSample
 from dcp_volumes.goodput._store import read_run_record, record_root, write_run_record
-from dcp_volumes.goodput._two_level import TierCosts, TwoLevelPlan, plan_two_level
+from dcp_volumes.goodput._two_level import TierCosts
+from dcp_volumes.goodput._two_level_compare import TwoLevelPlan, plan_two_level
 
 __all__ = [
     "DEFAULT_INTERVALS_S",
