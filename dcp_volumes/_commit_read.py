@@ -16,12 +16,8 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._manifest import (
-    Manifest,
-    load_metadata,
-    metadata_save_id,
-    volume_save_id,
-)
+from dcp_volumes._manifest import Manifest
+from dcp_volumes._metadata import load_metadata, metadata_save_id, volume_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Literal
 
 from dcp_volumes import errors
 from dcp_volumes._commit_read import METADATA, metadata_version, read_manifest, read_metadata_bytes
-from dcp_volumes._manifest import load_metadata, volume_save_id
+from dcp_volumes._metadata import load_metadata, volume_save_id
 from dcp_volumes.backends import Backend, CallStats
 
 __all__ = ["ABSENT", "COMPLETE", "DAMAGED", "Completeness", "completeness"]

@@ -1,7 +1,7 @@
 """What an unpickled ``.metadata`` must hold before any number in it is used.
 
 ``.metadata`` is untrusted (``DESIGN.md``, "Trust boundary"): the allow-listed unpickler
-(:func:`dcp_volumes._manifest.load_metadata`) builds only torch's classes, but their fields
+(:func:`dcp_volumes._metadata.load_metadata`) builds only torch's classes, but their fields
 can still hold anything: a shape of ``[0, 10**30]``, a chunk outside its tensor, a chunk with
 no stored location, a dtype that is not one. Unchecked, these reach the caller from deep
 inside torch's planner as ``ValueError``, ``KeyError``, ``IndexError`` or ``RuntimeError``,

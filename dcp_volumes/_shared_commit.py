@@ -45,7 +45,7 @@ from dcp_volumes._commit_read import (
     read_manifest_bytes,
     read_metadata_bytes,
 )
-from dcp_volumes._manifest import load_metadata, metadata_save_id, volume_save_id
+from dcp_volumes._metadata import load_metadata, metadata_save_id, volume_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
 __all__ = ["LEADER", "Group", "Header", "broadcast_bytes", "dcp_load_group", "load_group",

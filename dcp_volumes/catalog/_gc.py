@@ -135,7 +135,7 @@ def _running_saves(objects: list[ObjectInfo], now: float, older_than_s: float) -
 def _leftovers(backend: Backend, name: str, objects: list[ObjectInfo]) -> list[ObjectInfo]:
     """The objects of checkpoint ``name`` that its committed save does not own."""
     from dcp_volumes._commit_read import objects_of
-    from dcp_volumes._manifest import load_metadata, metadata_save_id
+    from dcp_volumes._metadata import load_metadata, metadata_save_id
 
     rel = f"{name}/{_layout.METADATA}"
     data = backend.run(lambda: backend.cat(rel, op="read"))

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from dcp_volumes import _commit, _commit_read, _layout, errors
-from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest, load_metadata, set_save_id
+from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
+from dcp_volumes._metadata import load_metadata, set_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
 __all__ = ["RECORD_PREFIX", "RESERVED_PREFIX", "WRITER", "Stored", "View", "commit", "file_entry", "read_record", "read_view",

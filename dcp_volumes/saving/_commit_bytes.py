@@ -11,7 +11,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_volumes._manifest import Manifest, manifest_of, paused_gc, set_save_id
+from dcp_volumes._manifest import Manifest, manifest_of, paused_gc
+from dcp_volumes._metadata import set_save_id
 from dcp_volumes._version import __version__
 
 __all__ = ["commit_bytes"]

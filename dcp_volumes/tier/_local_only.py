@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from dcp_volumes import _layout, errors
-from dcp_volumes._manifest import Manifest, load_metadata, volume_save_id
+from dcp_volumes._manifest import Manifest
+from dcp_volumes._metadata import load_metadata, volume_save_id
 from dcp_volumes.backends.translate import redact_url
 from dcp_volumes.config import LocalTierOptions
 from dcp_volumes.tier._layout import DurableBase, LocalOnlyRef, read_bounded, walk_saves
