@@ -24,7 +24,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcp_volumes.tier._layout import Descriptor, DurableBase, name_under, normal_url, walk_saves
+    from dcp_volumes.tier._descriptor import Descriptor, DurableBase
+    from dcp_volumes.tier._layout import name_under, normal_url, walk_saves
     from dcp_volumes.tier._local_only import (
         LocalCommit,
         LocalOnlyCopy,
@@ -40,8 +41,8 @@ __all__ = ["Descriptor", "DurableBase", "LocalCommit", "LocalFile", "LocalOnlyCo
            "walk_saves"]
 
 _LAZY: dict[str, str] = {
-    "Descriptor": "dcp_volumes.tier._layout",
-    "DurableBase": "dcp_volumes.tier._layout",
+    "Descriptor": "dcp_volumes.tier._descriptor",
+    "DurableBase": "dcp_volumes.tier._descriptor",
     "name_under": "dcp_volumes.tier._layout",
     "normal_url": "dcp_volumes.tier._layout",
     "walk_saves": "dcp_volumes.tier._layout",

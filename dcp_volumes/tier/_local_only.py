@@ -30,7 +30,9 @@ from dcp_volumes._manifest import Manifest
 from dcp_volumes._metadata import load_metadata, volume_save_id
 from dcp_volumes.backends.translate import redact_url
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.tier._layout import DurableBase, LocalOnlyRef, read_bounded, walk_saves
+from dcp_volumes.tier._descriptor import DurableBase, LocalOnlyRef
+from dcp_volumes.tier._files import read_bounded
+from dcp_volumes.tier._layout import walk_saves
 from dcp_volumes.tier._read import unusable
 
 if TYPE_CHECKING:

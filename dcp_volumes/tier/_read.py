@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from dcp_volumes import _layout
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.tier._layout import descriptors, normal_url, url_key
+from dcp_volumes.tier._descriptor import descriptors
+from dcp_volumes.tier._layout import normal_url, url_key
 
 __all__ = ["LocalFile", "find_local", "unusable"]
 

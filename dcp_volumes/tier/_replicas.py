@@ -19,22 +19,16 @@ from dataclasses import dataclass
 
 from dcp_volumes import _layout, errors
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.tier._layout import (
+from dcp_volumes.tier._descriptor import (
     MAX_FILE_BYTES,
     Descriptor,
     LocalOnlyRef,
     descriptor_name,
     is_descriptor_name,
-    is_save_key,
-    is_url_key,
-    normal_url,
     read_descriptor,
-    remove_empty_dirs,
-    unlink_quietly,
-    url_key,
-    walk_saves,
-    write_atomic,
 )
+from dcp_volumes.tier._files import remove_empty_dirs, unlink_quietly, write_atomic
+from dcp_volumes.tier._layout import is_save_key, is_url_key, normal_url, url_key, walk_saves
 from dcp_volumes.tier._retention import retain_quietly
 
 __all__ = ["OwnCopy", "TierReplica", "open_own", "own_copy"]

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.tier._layout import STALE_S, remove_empty_dirs, walk_saves
+from dcp_volumes.tier._files import remove_empty_dirs
+from dcp_volumes.tier._layout import STALE_S, walk_saves
 
 __all__ = ["apply_retention", "retain_quietly"]
 

@@ -21,18 +21,15 @@ import time
 
 from dcp_volumes import _layout, errors
 from dcp_volumes.config import LocalTierOptions
-from dcp_volumes.tier._layout import (
-    Descriptor,
-    LocalOnlyRef,
+from dcp_volumes.tier._descriptor import Descriptor, LocalOnlyRef, descriptor_name
+from dcp_volumes.tier._files import (
     copy_file,
-    descriptor_name,
     is_exdev,
-    normal_url,
     remove_empty_dirs,
     unlink_quietly,
-    url_key,
     write_atomic,
 )
+from dcp_volumes.tier._layout import normal_url, url_key
 from dcp_volumes.tier._local_only import LocalCommit
 from dcp_volumes.tier._retention import retain_quietly
 

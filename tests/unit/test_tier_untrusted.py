@@ -14,7 +14,8 @@ import pytest
 
 from dcp_volumes import LocalTierOptions, _layout
 from dcp_volumes.tier import Descriptor, DurableBase, TierSave, normal_url, walk_saves
-from dcp_volumes.tier._layout import LocalOnlyRef, url_key
+from dcp_volumes.tier._descriptor import LocalOnlyRef
+from dcp_volumes.tier._layout import url_key
 from dcp_volumes.tier._local_only import continues
 from dcp_volumes.tier._partners import _OwnReader
 from dcp_volumes.tier._replicas import OwnCopy, TierReplica, own_copy
