@@ -23,7 +23,8 @@ checkpoint loads, to verify, describe or gc it) and a distributed :func:`latest`
 
 Modules: ``_scan`` (one listing, grouped into checkpoints), ``_check`` (reading the newest
 committed checkpoints), ``_listing`` (:func:`list_checkpoints`, :func:`latest`), ``_retention`` (:func:`remove`,
-:func:`apply_retention`), ``_verify`` (+ ``_verify_read``, ``_verify_report``), ``_describe``, ``_gc``, ``_committed`` (reading a
+:func:`apply_retention`), ``_verify`` (+ ``_verify_read``, ``_verify_report``), ``_describe``, ``_gc`` (+
+``_gc_survey``, ``_gc_report``), ``_committed`` (reading a
 checkpoint's committed ``.metadata`` and manifest), ``_tiers`` (what a node's local tier
 holds of a run: :func:`local_tier_copies`) and ``_common`` (step patterns, counts,
 times).
@@ -39,7 +40,8 @@ from dcp_volumes.catalog._common import (
     step_of,
 )
 from dcp_volumes.catalog._describe import CheckpointDetails, EntryInfo, describe
-from dcp_volumes.catalog._gc import GcReport, gc
+from dcp_volumes.catalog._gc import gc
+from dcp_volumes.catalog._gc_report import GcReport
 from dcp_volumes.catalog._listing import CheckpointInfo, latest, list_checkpoints
 from dcp_volumes.catalog._retention import apply_retention, remove
 from dcp_volumes.catalog._tiers import TierCopy, local_tier_copies
