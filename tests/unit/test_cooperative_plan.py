@@ -9,7 +9,7 @@ import pytest
 
 from dcp_volumes._manifest import ItemEntry
 from dcp_volumes.loading.cooperative import Assignment, assign
-from dcp_volumes.loading.cooperative.assign import LocalInfo, Summary
+from dcp_volumes.loading.cooperative.storage_data import LocalInfo, Summary
 from dcp_volumes.loading.needs import Need
 
 MiB = 1 << 20

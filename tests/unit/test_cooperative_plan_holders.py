@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dcp_volumes.loading.cooperative import assign
-from dcp_volumes.loading.cooperative.assign import LocalInfo
+from dcp_volumes.loading.cooperative.storage_data import LocalInfo
 from dcp_volumes.loading.needs import Need
 
 MiB = 1 << 20

@@ -33,7 +33,7 @@ read them. A local copy that fails its check is fetched from the store by its ow
 (or, where there is no store copy — a local-only save — fails the load on every rank).
 
 The package: :mod:`.assign` is the coordinator's pure planner (``assign``; :mod:`.coordinate`
-runs it in ``prepare_global_plan``), :mod:`.rank_part` a rank's part of that plan checked
+runs it in ``prepare_global_plan``; :mod:`.storage_data` the values it reads and returns), :mod:`.rank_part` a rank's part of that plan checked
 against its needs (pure), :mod:`.exchange` the runtime on every rank (``CooperativeRead``),
 :mod:`.sendrecv` one round's sends and receives; the bytes move through
 :func:`dcp_volumes.loading.serve.serve` as in a direct read — from the local tier and the store
@@ -42,7 +42,8 @@ again) into the planner's targets — and the status steps and bounded waits are
 :mod:`dcp_volumes._dist`'s.
 """
 
-from dcp_volumes.loading.cooperative.assign import Assignment, assign, local_info
+from dcp_volumes.loading.cooperative.assign import assign
 from dcp_volumes.loading.cooperative.exchange import CooperativeRead, ExchangeFigures
+from dcp_volumes.loading.cooperative.storage_data import Assignment, local_info
 
 __all__ = ["Assignment", "CooperativeRead", "ExchangeFigures", "assign", "local_info"]

@@ -18,10 +18,10 @@ from dcp_volumes import _dist, errors, tier
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.backends.versions import ObjectVersion
 from dcp_volumes.loading.apply import PlannerTarget
-from dcp_volumes.loading.cooperative.assign import Assignment, Bundle
 from dcp_volumes.loading.cooperative.peer import Keep, PeerRound, RoundBytes
 from dcp_volumes.loading.cooperative.rank_part import PlanMismatch, RankPart, rank_part
 from dcp_volumes.loading.cooperative.sendrecv import AFTER_TIMEOUT, exchange_round
+from dcp_volumes.loading.cooperative.storage_data import Assignment, Bundle
 from dcp_volumes.loading.needs import Need, plan_ranges
 from dcp_volumes.loading.serve import serve
 from dcp_volumes.loading.sources import CannotServe, LocalTierSource, StoreSource

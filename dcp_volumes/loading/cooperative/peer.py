@@ -17,7 +17,7 @@ import torch
 
 from dcp_volumes import _dist
 from dcp_volumes.loading.apply import DirectTarget
-from dcp_volumes.loading.cooperative.assign import Bundle, Piece
+from dcp_volumes.loading.cooperative.storage_data import Bundle, Piece
 from dcp_volumes.loading.needs import Need
 from dcp_volumes.loading.sources import Payload
 from dcp_volumes.transfer.download import RangeRequest

@@ -13,8 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dcp_volumes import errors
-from dcp_volumes.loading.cooperative.assign import Assignment, Bundle, Piece
 from dcp_volumes.loading.cooperative.peer import Held, held
+from dcp_volumes.loading.cooperative.storage_data import Assignment, Bundle, Piece
 from dcp_volumes.loading.needs import Need, describe, plan_ranges
 from dcp_volumes.transfer.download import RangeRequest
 

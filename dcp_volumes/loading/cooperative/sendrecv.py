@@ -11,8 +11,8 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_volumes import _dist, errors
-from dcp_volumes.loading.cooperative.assign import Bundle
 from dcp_volumes.loading.cooperative.peer import RoundBytes
+from dcp_volumes.loading.cooperative.storage_data import Bundle
 
 __all__ = ["AFTER_TIMEOUT", "exchange_round"]
 
