@@ -93,30 +93,11 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
         UnsupportedTransformError: an item was written through a transform that cannot be
             decoded here (before any byte is fetched).
     """
-    by_item: dict[tuple[str, int], list[ReadItem]] = {}
-    infos: dict[tuple[str, int], Any] = {}
-    for read in reads:
-        info = storage_data[read.storage_index]
-        key = (_layout.check_relative_path(info.relative_path), int(info.offset))
-        by_item.setdefault(key, []).append(read)
-        infos[key] = info
+    by_item, infos = _by_item(reads, storage_data)
     needs = []
     for (relative, offset), item_reads in by_item.items():
         length = int(infos[(relative, offset)].length)
-        entry = None
-        if manifest is not None:
-            file_entry = manifest.files.get(relative)
-            entry = file_entry.items.get(offset) if file_entry is not None else None
-            if entry is None:
-                raise errors.IntegrityError(
-                    f"{describe(item_reads[0])} in shard {relative} is not in the manifest of "
-                    f"{url}"
-                )
-            if entry.length != length:
-                raise errors.IntegrityError(
-                    f"{describe(item_reads[0])} in shard {relative}: .metadata says {length} "
-                    f"bytes, manifest says {entry.length}"
-                )
+        entry = _entry_of(manifest, relative, offset, length, item_reads, url)
         what = f"{describe(item_reads[0])} in shard {relative} of {url}"
         index = item_reads[0].storage_index
         dtype = item_dtype(metadata, index.fqn, index.offset, entry, what)
@@ -130,6 +111,41 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
         need.dtype = dtype
         needs.append(need)
     return needs
+
+
+def _by_item(reads: list[ReadItem], storage_data: dict[Any, Any]
+             ) -> tuple[dict[tuple[str, int], list[ReadItem]], dict[tuple[str, int], Any]]:
+    """The reads grouped by the stored item they touch ``(relative, offset)`` (its path
+    checked), and each item's storage info."""
+    by_item: dict[tuple[str, int], list[ReadItem]] = {}
+    infos: dict[tuple[str, int], Any] = {}
+    for read in reads:
+        info = storage_data[read.storage_index]
+        key = (_layout.check_relative_path(info.relative_path), int(info.offset))
+        by_item.setdefault(key, []).append(read)
+        infos[key] = info
+    return by_item, infos
+
+
+def _entry_of(manifest: Manifest | None, relative: str, offset: int, length: int,
+              item_reads: list[ReadItem], url: str) -> ItemEntry | None:
+    """The manifest's entry of the item (None without a manifest), which must be there and
+    agree with ``.metadata`` on its length."""
+    if manifest is None:
+        return None
+    file_entry = manifest.files.get(relative)
+    entry = file_entry.items.get(offset) if file_entry is not None else None
+    if entry is None:
+        raise errors.IntegrityError(
+            f"{describe(item_reads[0])} in shard {relative} is not in the manifest of "
+            f"{url}"
+        )
+    if entry.length != length:
+        raise errors.IntegrityError(
+            f"{describe(item_reads[0])} in shard {relative}: .metadata says {length} "
+            f"bytes, manifest says {entry.length}"
+        )
+    return entry
 
 
 def _decoded_limit(read: ReadItem, metadata: Any) -> int:

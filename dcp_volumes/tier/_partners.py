@@ -149,17 +149,7 @@ def replicate(options: LocalTierOptions | None, url: str, *, group: Any) -> int:
 def _replicate(options: LocalTierOptions, url: str, group: Any) -> int:
     me = dist.get_rank(group)
     world = dist.get_world_size(group)
-    try:
-        copy = own_copy(options, url, me)
-    except Exception as exc:  # noqa: BLE001 -- this rank must still join the collectives
-        logger.warning("rank %d: its copy of %s in the local tier cannot be read (%s): no "
-                       "partner replica of its files", me, redact_url(url), exc)
-        copy = None
-    mine = _Offer(me, socket.gethostname(), os.path.realpath(options.resolved_directory()),
-                  _local_world(), copy)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
-    offers: list[_Offer] = gathered
+    copy, offers = _offers(options, url, group, me, world)
     per_node = _ranks_per_node(options, offers)
     if per_node >= world:
         if me == 0:
@@ -167,17 +157,7 @@ def _replicate(options: LocalTierOptions, url: str, group: Any) -> int:
                            "(%d ranks per node); set LocalTierOptions.ranks_per_node if not",
                            redact_url(url), world, per_node)
         return 0
-    partners = partner_map(world, per_node, options.partners)  # the same on every rank
-    # who streams to whom: a rank with a copy, to a partner not sharing its tier directory
-    pairs = {r: p for r, p in partners.items() if offers[r].copy is not None
-             and (offers[r].host, offers[r].tier) != (offers[p].host, offers[p].tier)}
-    incoming = {s: TierReplica(options, offers[s].copy, me, s)  # type: ignore[arg-type]
-                for s, p in sorted(pairs.items()) if p == me}
-    accepts: list[Any] = [None] * world
-    dist.all_gather_object(accepts, sorted(s for s, r in incoming.items() if r.ok),
-                           group=group)
-    pairs = {s: p for s, p in pairs.items() if s in accepts[p]}
-    incoming = {s: r for s, r in incoming.items() if s in pairs}
+    pairs, incoming = _pairs(options, offers, per_node, group, me, world)
     try:
         sent_ok = _stream(options, me, offers, pairs, incoming, group)
     except BaseException:
@@ -193,6 +173,39 @@ def _replicate(options: LocalTierOptions, url: str, group: Any) -> int:
                     "bytes of ranks %s", me, redact_url(url), sent, pairs.get(me, "-"), kept,
                     sorted(incoming) or "-")
     return kept
+
+
+def _offers(options: LocalTierOptions, url: str, group: Any, me: int, world: int
+            ) -> tuple[OwnCopy | None, list[_Offer]]:
+    """This rank's copy of the save (None when it cannot be read) and every rank's offer."""
+    try:
+        copy = own_copy(options, url, me)
+    except Exception as exc:  # noqa: BLE001 -- this rank must still join the collectives
+        logger.warning("rank %d: its copy of %s in the local tier cannot be read (%s): no "
+                       "partner replica of its files", me, redact_url(url), exc)
+        copy = None
+    mine = _Offer(me, socket.gethostname(), os.path.realpath(options.resolved_directory()),
+                  _local_world(), copy)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    return copy, gathered
+
+
+def _pairs(options: LocalTierOptions, offers: list[_Offer], per_node: int, group: Any,
+           me: int, world: int) -> tuple[dict[int, int], dict[int, TierReplica]]:
+    """Who streams to whom (a rank with a copy, to a partner not sharing its tier directory
+    that accepted it), and the replicas this rank takes in, by sender."""
+    partners = partner_map(world, per_node, options.partners)  # the same on every rank
+    pairs = {r: p for r, p in partners.items() if offers[r].copy is not None
+             and (offers[r].host, offers[r].tier) != (offers[p].host, offers[p].tier)}
+    incoming = {s: TierReplica(options, offers[s].copy, me, s)  # type: ignore[arg-type]
+                for s, p in sorted(pairs.items()) if p == me}
+    accepts: list[Any] = [None] * world
+    dist.all_gather_object(accepts, sorted(s for s, r in incoming.items() if r.ok),
+                           group=group)
+    pairs = {s: p for s, p in pairs.items() if s in accepts[p]}
+    incoming = {s: r for s, r in incoming.items() if s in pairs}
+    return pairs, incoming
 
 
 def _stream(options: LocalTierOptions, me: int, offers: list[_Offer], pairs: dict[int, int],
