@@ -14,7 +14,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,20 @@ def agree(err: BaseException | None, *, group: Any, world: int, me: int, timeout
     Returns:
         The highest code any rank reported (every code below ``FAILED``).
     """
+    what = f"while {task} ({step})"
+    reported = _all_codes(err, code, group=group, world=world, me=me, timeout_s=timeout_s,
+                          what=what, note=note, error=error)
+    failed = [r for r, c in enumerate(reported) if c == FAILED]
+    if not failed:
+        return max(reported)
+    _raise_failed(err, failed, group=group, me=me, timeout_s=timeout_s, what=what, note=note,
+                  error=error)
+
+
+def _all_codes(err: BaseException | None, code: int, *, group: Any, world: int, me: int,
+               timeout_s: float, what: str, note: str,
+               error: type[errors.DCPVolumesError]) -> list[int]:
+    """Every rank's status code (one all-reduce, bounded by ``timeout_s``)."""
     codes = torch.zeros(world, dtype=torch.int64)
     codes[me] = FAILED if err is not None else code
     started = time.monotonic()
@@ -144,18 +158,23 @@ def agree(err: BaseException | None, *, group: Any, world: int, me: int, timeout
     except RuntimeError as exc:
         if err is not None:
             raise err  # this rank's own failure says more than the lost peers
-        raise error(f"rank {me}: {_lost(time.monotonic() - started, timeout_s)} while {task} "
-                    f"({step}){note} ({exc})") from exc
-    reported = codes.tolist()
-    failed = [r for r, c in enumerate(reported) if c == FAILED]
-    if not failed:
-        return max(reported)
+        raise error(f"rank {me}: {_lost(time.monotonic() - started, timeout_s)} {what}"
+                    f"{note} ({exc})") from exc
+    reported: list[int] = codes.tolist()
+    return reported
+
+
+def _raise_failed(err: BaseException | None, failed: list[int], *, group: Any, me: int,
+                  timeout_s: float, what: str, note: str,
+                  error: type[errors.DCPVolumesError]) -> NoReturn:
+    """Raise on every rank: the first failed rank's own error there, its class and message
+    (broadcast) elsewhere."""
     src = failed[0]
     try:
         name, text = _broadcast_error(err if me == src else None, src, group, timeout_s)
     except RuntimeError as exc:  # the failing rank died after reporting: name it anyway
         if err is None:
-            raise error(f"rank {src} failed while {task} ({step}) and its message did not "
+            raise error(f"rank {src} failed {what} and its message did not "
                         f"arrive within {timeout_s:.0f}s{note} ({exc})") from exc
     if err is not None:
         raise err
@@ -163,7 +182,7 @@ def agree(err: BaseException | None, *, group: Any, world: int, me: int, timeout
     if not (isinstance(cls, type) and issubclass(cls, errors.DCPVolumesError)):
         cls = error
     more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-    raise cls(f"rank {src}{more} failed while {task} ({step}): {text}")
+    raise cls(f"rank {src}{more} failed {what}: {text}")
 
 
 def _lost(waited: float, timeout_s: float) -> str:
