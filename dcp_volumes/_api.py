@@ -104,19 +104,25 @@ def load(
     Raises:
         ConfigError: a reader was passed together with reader options.
     """
+    reader = _reader_for(path, storage_options, safe_globals, reader_options)
+    with typed_errors(lambda: reader.last_error):
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                 **_alone(no_dist))
+    return reader
+
+
+def _reader_for(path: str | os.PathLike[str] | VolumeReader,
+                storage_options: dict[str, Any] | None, safe_globals: Sequence[Any],
+                reader_options: dict[str, Any]) -> VolumeReader:
+    """The reader passed in (then no reader options may come with it), or a new one."""
     if isinstance(path, VolumeReader):
         if storage_options is not None or safe_globals or reader_options:
             raise errors.ConfigError(
                 "load() got a reader and reader options: pass storage_options, safe_globals "
                 f"and {', '.join(sorted(reader_options)) or 'the rest'} to the reader itself")
-        reader = path
-    else:
-        reader = VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
-                              **reader_options)
-    with typed_errors(lambda: reader.last_error):
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                 **_alone(no_dist))
-    return reader
+        return path
+    return VolumeReader(path, storage_options=storage_options, safe_globals=safe_globals,
+                        **reader_options)
 
 
 def save(

@@ -92,6 +92,22 @@ def parse_url(url: object) -> tuple[str, type[Backend]]:
             mistyped scheme, carries credentials, or names a protocol that cannot hold a
             checkpoint; the message says what to write instead.
     """
+    url = _text_of(url)
+    if "://" not in url:
+        _refuse_typos(url)
+        return "file", LocalBackend
+    scheme, rest = url.split("://", 1)
+    scheme = scheme.lower()
+    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise errors.ConfigError(f"malformed checkpoint URL {redact_url(url)!r}")
+    _refuse_credentials(url, scheme, rest)
+    cls = _backend_class(scheme, url)
+    _check_path(url, scheme, rest, cls)
+    return scheme, cls
+
+
+def _text_of(url: object) -> str:
+    """The URL as non-empty text (a path-like turned into its string)."""
     if not isinstance(url, (str, os.PathLike)):
         raise errors.ConfigError(
             f"checkpoint URL must be a string or os.PathLike, got {type(url).__name__}: pass "
@@ -101,28 +117,31 @@ def parse_url(url: object) -> tuple[str, type[Backend]]:
         raise errors.ConfigError("checkpoint URL must be text, not bytes: decode it first")
     if not url.strip():
         raise errors.ConfigError("checkpoint URL is empty: pass e.g. s3://bucket/run/step-100")
-    if "://" not in url:
-        _refuse_typos(url)
-        return "file", LocalBackend
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-        raise errors.ConfigError(f"malformed checkpoint URL {redact_url(url)!r}")
-    _refuse_credentials(url, scheme, rest)
+    return url
+
+
+def _backend_class(scheme: str, url: str) -> type[Backend]:
+    """The backend for ``scheme``: ours, else any installed fsspec protocol that can hold a
+    checkpoint."""
     cls = SCHEMES.get(scheme)
-    if cls is None:
-        if scheme in _NOT_STORAGE:
-            raise errors.ConfigError(
-                f"{scheme}:// cannot hold a checkpoint ({redact_url(url)!r}): use s3://, gs://, "
-                "az://, abfs://, file:// or memory://")
-        try:
-            fsspec.get_filesystem_class(scheme)
-        except (ValueError, ImportError) as exc:
-            raise errors.ConfigError(
-                f"unknown URL scheme {scheme!r} in {redact_url(url)!r}: use s3://, gs://, az://, "
-                "abfs://, file:// or memory:// (or any installed fsspec protocol)"
-            ) from exc
-        cls = FsspecBackend
+    if cls is not None:
+        return cls
+    if scheme in _NOT_STORAGE:
+        raise errors.ConfigError(
+            f"{scheme}:// cannot hold a checkpoint ({redact_url(url)!r}): use s3://, gs://, "
+            "az://, abfs://, file:// or memory://")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ValueError, ImportError) as exc:
+        raise errors.ConfigError(
+            f"unknown URL scheme {scheme!r} in {redact_url(url)!r}: use s3://, gs://, az://, "
+            "abfs://, file:// or memory:// (or any installed fsspec protocol)"
+        ) from exc
+    return FsspecBackend
+
+
+def _check_path(url: str, scheme: str, rest: str, cls: type[Backend]) -> None:
+    """The part after the scheme names a bucket (object stores) and a path."""
     if cls.object_store and (not rest or rest.startswith("/")):
         raise errors.ConfigError(
             f"malformed checkpoint URL {redact_url(url)!r}: expected {scheme}://bucket/path"
@@ -134,7 +153,6 @@ def parse_url(url: object) -> tuple[str, type[Backend]]:
             if cls is LocalBackend else
             f"checkpoint URL {redact_url(url)!r} names no path: write {scheme}://location/path"
         )
-    return scheme, cls
 
 
 def backend_class(url: str | os.PathLike[str]) -> type[Backend]:
