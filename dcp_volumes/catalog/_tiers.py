@@ -94,6 +94,30 @@ def local_tier_copies(
         (c.url, c.save_id, c.rank): c.world
         for c in tier.find_local_only(options, lambda u: tier.name_under(root, u) is not None)
     }
+    out = [
+        TierCopy(
+            name=name,
+            step=step_of(name, pattern),
+            kind=kind,
+            ranks=tuple(sorted(e["ranks"])),
+            world=e["world"],
+            bytes=e["bytes"],
+            files=e["files"],
+            created=e["created"],
+        )
+        for (name, _, kind), e in _by_save(root, options, valid).items()
+    ]
+    out.sort(key=lambda c: (c.step is None, c.step or 0, c.name, c.created))
+    return out
+
+
+def _by_save(root: str | os.PathLike[str], options: LocalTierOptions,
+             valid: dict[tuple[str, str, int], int]
+             ) -> dict[tuple[str, str, TierKind], dict[str, Any]]:
+    """What the tier's descriptors of the run's saves say, summed per (checkpoint name, save
+    key, kind); a local-only save counts only where ``valid`` (checked complete) names it."""
+    from dcp_volumes import tier  # as in local_tier_copies: torch only when used
+
     found: dict[tuple[str, str, TierKind], dict[str, Any]] = {}
     for sdir in tier.walk_saves(options.resolved_directory()):
         for d in sdir.descriptors():
@@ -108,21 +132,7 @@ def local_tier_copies(
                     continue  # damaged or incomplete on this node: never used
                 kind = "local-only"
             _add(found.setdefault((name, sdir.save_key, kind), _entry(world)), d)
-    out = [
-        TierCopy(
-            name=name,
-            step=step_of(name, pattern),
-            kind=kind,
-            ranks=tuple(sorted(e["ranks"])),
-            world=e["world"],
-            bytes=e["bytes"],
-            files=e["files"],
-            created=e["created"],
-        )
-        for (name, _, kind), e in found.items()
-    ]
-    out.sort(key=lambda c: (c.step is None, c.step or 0, c.name, c.created))
-    return out
+    return found
 
 
 def _entry(world: int | None) -> dict[str, Any]:
