@@ -18,28 +18,14 @@ from _snippet_run import PageRun, block_env, launcher_dir
 REPO = Path(__file__).resolve().parents[2]
 PAGES = pages(REPO)
 
-#: Pages whose blocks do not pass yet, with the helper making them pass. This list only
-#: shrinks; it is empty when every page passes (an entry that passes shows as XPASS).
-PAGES_NOT_PASSING_YET: dict[str, str] = {
-}
-
 #: the standard variables a user's S3 client reads; nothing else tells a block where the store is
 _AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                   "AWS_DEFAULT_REGION")
 
 
 def _params() -> list[Any]:
-    params = []
-    for page in PAGES:
-        rel = page.relative_to(REPO).as_posix()
-        marks = []
-        if rel in PAGES_NOT_PASSING_YET:
-            marks.append(pytest.mark.xfail(
-                reason=f"page not passing yet ({PAGES_NOT_PASSING_YET[rel]} is on it)",
-                strict=False))
-        params.append(pytest.param(page, id=rel.removesuffix(".md").replace("/", "-"),
-                                   marks=marks))
-    return params
+    return [pytest.param(page, id=page.relative_to(REPO).as_posix().removesuffix(".md")
+                         .replace("/", "-")) for page in PAGES]
 
 
 @pytest.fixture(scope="module")
