@@ -16,7 +16,6 @@ registered in torch's ``ExtensionRegistry``, torch's ``Rot13Example`` style) loa
 
 from __future__ import annotations
 
-import io
 import pickle
 import shutil
 import tempfile
@@ -32,94 +31,16 @@ from dcp_volumes import VolumeReader, errors
 from dcp_volumes._api import load as typed_load
 
 try:  # torch's extension registry (experimental in torch; absent from some versions)
-    from torch.distributed.checkpoint._extension import (
-        ExtensionRegistry,
-        StreamTransformExtension,
-    )
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
 except ImportError:  # pragma: no cover - depends on the torch version
     pytest.skip("this torch has no torch.distributed.checkpoint._extension (ExtensionRegistry)",
                 allow_module_level=True)
 
+# the transforms themselves are shared with the export tests (tests/integration/_rot13.py)
+from _rot13 import Endless, Rot13Example
+
 pytestmark = pytest.mark.xdist_group("streader")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-_SWAP = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz",
-                        b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-class _Swapped(io.RawIOBase):
-    """A stream whose bytes are those of ``raw`` with letters' case swapped (both ways)."""
-
-    def __init__(self, raw: IO[bytes], writing: bool) -> None:
-        self.raw, self.writing = raw, writing
-
-    def readable(self) -> bool:
-        return not self.writing
-
-    def writable(self) -> bool:
-        return self.writing
-
-    def readinto(self, b: Any) -> int:
-        data = self.raw.read(len(memoryview(b))) or b""
-        memoryview(b)[:len(data)] = data.translate(_SWAP)
-        return len(data)
-
-    def write(self, b: Any) -> int:
-        self.raw.write(bytes(b).translate(_SWAP))
-        return len(memoryview(b))
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
-class Rot13Example(StreamTransformExtension):
-    """torch's test example (torch.testing._internal.distributed.checkpoint_utils), with a
-    vectorised byte swap."""
-
-    @staticmethod
-    def from_descriptor(version: str) -> Rot13Example:
-        if version.partition(".")[0] != "1":
-            raise ValueError(f"Unknown extension {version=}")
-        return Rot13Example()
-
-    @staticmethod
-    def registry_name() -> str:
-        return "stream.rot13"
-
-    def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1"
-
-    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
-        return _Swapped(output, writing=True)  # type: ignore[return-value]
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return _Swapped(input, writing=False)  # type: ignore[return-value]
-
-
-class _Zeros(io.RawIOBase):
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b)
-        view[:] = bytes(len(view))
-        return len(view)
-
-
-class Endless(Rot13Example):
-    """A transform whose decoded stream never ends: a crafted item must not exhaust memory."""
-
-    @staticmethod
-    def from_descriptor(version: str) -> Endless:
-        return Endless()
-
-    @staticmethod
-    def registry_name() -> str:
-        return "stream.endless"
-
-    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        return _Zeros()  # type: ignore[return-value]
-
 
 class Strict(Rot13Example):
     """A transform that refuses damaged input (as an authenticated cipher would)."""
