@@ -13,7 +13,7 @@ if [[ "${CI:-}" == true ]]; then
     # installed (npm missing, say) fails the run instead of passing quietly.
     log="$(mktemp)"
     trap 'rm -f "${log}"' EXIT
-    .venv/bin/python -m pytest -q -n 2 --dist loadgroup -rs "$@" 2>&1 | tee "${log}"
+    .venv/bin/python -m pytest -q -n 2 --dist loadgroup -rs --durations=30 "$@" 2>&1 | tee "${log}"
     rc=${PIPESTATUS[0]}
     if grep -E "^SKIPPED .*not installed" "${log}" >&2; then
         echo "test.sh: CI=true and a backend above could not run; that is a failure" >&2
