@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -31,7 +30,7 @@ from dcp_volumes.backends.local import LocalBackend
 from dcp_volumes.config import TransferOptions
 from dcp_volumes.export import _lease
 from dcp_volumes.export._plan import INDEX, SINGLE, ExportPlan, PlannedFile
-from dcp_volumes.saving import SpoolFile, Uploader
+from dcp_volumes.saving.objects import ObjectUploads, ObjectWriter
 
 __all__ = ["Destination", "new_token", "tensor_bytes"]
 
@@ -137,52 +136,46 @@ class Destination:
         return f"{name}.{self.token}.tmp" if self.local else name
 
     def write(self, files: list[PlannedFile],
-              feed: Callable[[PlannedFile, SpoolFile], Iterator[int]],
+              feed: Callable[[PlannedFile, ObjectWriter], Iterator[int]],
               progress: Callable[[int], None] | None = None) -> None:
-        """Upload ``files`` (in order): ``feed(file, spool)`` writes a file's bytes into its
-        upload, yielding after each piece (the bytes fed so far are reported to
-        ``progress``); return once every file is durable under its final name. DEST's
-        claim is checked before each file starts and before it is completed."""
+        """Upload ``files`` (in order): ``feed(file, out)`` writes a file's bytes into its
+        upload (an :class:`~dcp_volumes.saving.objects.ObjectWriter`), yielding after each
+        piece (the bytes fed so far are reported to ``progress``); return once every file is
+        durable under its final name. DEST's claim is checked before each file starts and
+        before it is completed."""
         if not files:
             return
         t = self.transfer
-        uploader = Uploader(self.backend, part_size=t.part_size,
-                            max_concurrency=t.max_concurrency, stats=self.stats,
-                            adaptive=t.adaptive_concurrency)
-        # parts held in memory: the ones in flight, and one being filled
-        slots = threading.Semaphore(t.max_concurrency + 1)
-        spools: list[SpoolFile] = []
+        uploads = ObjectUploads(self.backend, part_size=t.part_size,
+                                max_concurrency=t.max_concurrency, stats=self.stats,
+                                adaptive=t.adaptive_concurrency)
         fed = 0
         try:
             for pf in files:
                 self.hold()
-                target = self._target(pf.name)
-                spool = SpoolFile(target, mode="memory", directory="", part_size=t.part_size,
-                                  buffer_slots=slots)
-                spools.append(spool)
-                uploader.upload(target, spool.parts, expected_size=pf.size)
-                for n in feed(pf, spool):
+                out = uploads.open(self._target(pf.name), expected_size=pf.size)
+                for n in feed(pf, out):
                     if progress is not None:
                         progress(fed + n)
                 self.hold()  # before the last part goes: a one-part file is put by it
-                fed += spool.close()
-            uploader.wait()
+                out.close()
+                fed += out.tell()
+            uploads.wait()
             if self.local:
                 self._rename([(self._target(f.name), f.name) for f in files])
         except BaseException as exc:
             lost = self._lost(exc)
             if lost is None:
-                uploader.abort()  # DEST is still this export's: remove what it uploaded
+                uploads.abort()  # DEST is still this export's: remove what it uploaded
                 raise
             # DEST is another export's now: what this one completed may have been replaced
             # by that one's files, so nothing is removed; pending parts stop
-            uploader.fail(lost)
+            uploads.fail(lost)
             if lost is exc:
                 raise
             raise lost from exc
         finally:
-            for spool in spools:
-                spool.discard()
+            uploads.discard()
         self.bytes_written += fed
 
     def _lost(self, exc: BaseException) -> errors.ExportConflictError | None:

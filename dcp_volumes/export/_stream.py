@@ -13,7 +13,7 @@ from dcp_volumes import errors
 from dcp_volumes.export._dest import Destination, tensor_bytes
 from dcp_volumes.export._fetch import Source
 from dcp_volumes.export._plan import PlannedFile
-from dcp_volumes.saving import SpoolFile
+from dcp_volumes.saving.objects import ObjectWriter
 
 __all__ = ["write_files"]
 
@@ -48,7 +48,7 @@ def write_files(source: Source, out: Destination, files: list[PlannedFile], slab
     total = sum(f.size for f in files)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcpv-export") as pool:
 
-        def feed(pf: PlannedFile, spool: SpoolFile) -> Iterator[int]:
+        def feed(pf: PlannedFile, spool: ObjectWriter) -> Iterator[int]:
             spool.write(pf.header_bytes)
             yield spool.tell()
             rounds = source.rounds(pf.tensors, slab_size)

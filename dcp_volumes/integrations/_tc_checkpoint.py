@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from dcp_volumes import _commit, _commit_read, _layout, errors
-from dcp_volumes._manifest import FileEntry, ItemEntry, Manifest
+from dcp_volumes._manifest import FileEntry, Manifest
 from dcp_volumes._metadata import load_metadata, set_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
-__all__ = ["RECORD_PREFIX", "RESERVED_PREFIX", "WRITER", "Stored", "View", "commit", "file_entry", "read_record", "read_view",
+__all__ = ["RECORD_PREFIX", "RESERVED_PREFIX", "WRITER", "Stored", "View", "commit", "read_record", "read_view",
            "record_names", "write_record"]
 
 WRITER = "dcp_volumes.torch_checkpointing"
@@ -42,21 +42,9 @@ class Stored:
     def size(self) -> int:
         return self.entry.size
 
-    @property
-    def item(self) -> ItemEntry:
-        return self.entry.items[0]
-
 
 #: torch_checkpointing file path (relative to its checkpoint) -> where it is stored
 View = dict[str, Stored]
-
-
-def file_entry(size: int, crc: int, block_size: int, block_crcs: list[int]) -> FileEntry:
-    """The manifest entry of a file written in blocks of ``block_size`` (its parts): one
-    item of raw bytes, so any range of whole blocks is checked on its own."""
-    item = ItemEntry(size, crc, data_offset=0, block_size=block_size,
-                     block_crcs=tuple(block_crcs), shape=(size,), dtype="uint8")
-    return FileEntry(size=size, items={0: item})
 
 
 def record_names(rank: int, world_size: int, job: str) -> tuple[str, str]:

@@ -31,11 +31,11 @@ from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageC
 from dcp_volumes import _commit, catalog, errors
 from dcp_volumes._layout import METADATA, check_relative_path
 from dcp_volumes._manifest import FileEntry
-from dcp_volumes.backends import Backend, CallStats, open_backend, redact_url
+from dcp_volumes.backends import Backend, open_backend, redact_url
 from dcp_volumes.config import RetryOptions, TransferOptions
 from dcp_volumes.integrations import _tc_checkpoint as stored
-from dcp_volumes.integrations._tc_streams import CheckedReader, UploadStream
-from dcp_volumes.loading.sources import StoreSource
+from dcp_volumes.loading.objects import ObjectReader, read_object
+from dcp_volumes.saving.objects import write_object
 
 __all__ = ["COMMIT_NAME", "VolumeStorage", "VolumeStorageConfig", "manager_config",
            "record_rank_files", "resume_path"]
@@ -247,13 +247,11 @@ class VolumeStorage(Storage):
                 "checkpoint (an interrupted or running save is never read)")
         return inside[0], found
 
-    def _reader(self, path: str | os.PathLike[str]) -> CheckedReader:
+    def _reader(self, path: str | os.PathLike[str]) -> ObjectReader:
         directory, found = self._resolve(path)
-        backend, cfg = self._at(directory), self._config
-        source = StoreSource(backend, redact_url(backend.url),
-                             max_concurrency=cfg.parts_in_flight, chunk_size=cfg.part_size,
-                             stats=CallStats(), sizes={found.key: found.size})
-        return CheckedReader(source, found.key, found.item)
+        return read_object(self._at(directory), found.key, found.entry,
+                           max_concurrency=self._config.parts_in_flight,
+                           chunk_size=self._config.part_size)
 
     def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
         reader = self._reader(path)
@@ -321,9 +319,8 @@ class VolumeStorage(Storage):
             with self._lock:
                 self._written[rel] = (key, entry)
 
-        cfg = self._config
-        return UploadStream(self.backend, key, part_size=cfg.part_size,
-                            parts_in_flight=cfg.parts_in_flight, done=done)
+        return write_object(self.backend, key, part_size=self._config.part_size,
+                            max_concurrency=self._config.parts_in_flight, done=done)
 
     def write(self, path: Path, data: Any) -> None:
         with self.stream_write(path) as stream:
