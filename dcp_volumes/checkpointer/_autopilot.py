@@ -2,10 +2,18 @@
 in its record under the root (rank 0 writes it), estimates its failure rate from a prior and
 its own interruptions, and re-chooses the cadences (:mod:`dcp_volumes.goodput._auto`).
 
-The Checkpointer calls four hooks: :meth:`Autopilot.track` (a save started; its completion
-is watched), :meth:`Autopilot.resumed` (``load_latest`` returned), :meth:`Autopilot.policy`
-(before each decision: the cadences now) and :meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do
-nothing. Nothing here fails a save or a resume: the record's problems are WARNINGs.
+The Checkpointer calls five hooks: :meth:`Autopilot.begin` (constructed: this incarnation is
+recorded at once, so one that dies in its restart still counts), :meth:`Autopilot.track` (a
+save started; its completion is watched), :meth:`Autopilot.resumed` (``load_latest``
+returned), :meth:`Autopilot.policy` (before each decision: the cadences now) and
+:meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do nothing.
+Nothing here fails a save or a resume: the record's problems are WARNINGs.
+
+Clocks: every duration within this process (exposure, a save, a resume, the process's start
+to training) is measured on the monotonic clock. The record's timestamps are this
+incarnation's wall-clock start advanced by monotonic time, so a wall-clock step (NTP, a
+paused VM) inside a process changes no duration; only the gap between two incarnations
+spans processes and uses the wall clock, and it is bounded (:mod:`dcp_volumes.goodput._record`).
 """
 
 from __future__ import annotations
@@ -41,12 +49,13 @@ from dcp_volumes.goodput import (
     measured_costs,
     read_run_record,
     record_root,
+    run_key,
     settle_interval,
     write_run_record,
 )
 from dcp_volumes.stats import LoadStats
 
-__all__ = ["Autopilot", "AutopilotOptions", "process_start_wall"]
+__all__ = ["MAX_START_AGE_S", "Autopilot", "AutopilotOptions", "process_age_s"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +64,31 @@ def _nothing() -> None:
     pass
 
 
-def process_start_wall() -> float:
-    """When this process started (wall clock): psutil's create time, else now."""
-    try:
-        import psutil
+#: the longest a process's start can precede its Checkpointer: an age beyond it is a clock
+#: step or a wrong ``started_at``, clamped with a WARNING
+MAX_START_AGE_S = 3600.0
 
-        return float(psutil.Process(os.getpid()).create_time())
-    except Exception:  # noqa: BLE001 -- psutil missing or /proc unreadable: now is the floor
-        return time.time()
+
+def process_age_s() -> float | None:
+    """How long ago this process started, on the boot clock (Linux: immune to wall-clock
+    steps); None where that cannot be read."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime, counted after the ")" of the name
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME)
+                   - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _bounded_age(age: float, limit: float) -> float:
+    if 0.0 <= age <= limit:
+        return age
+    logger.warning("autopilot: this incarnation's start is %.3g s before its Checkpointer, "
+                   "outside [0, %.3g] s (a wall-clock step, or started_at from another "
+                   "clock): taken as %.3g s", age, limit, min(max(age, 0.0), limit))
+    return min(max(age, 0.0), limit)
 
 
 class Autopilot:
@@ -70,14 +96,26 @@ class Autopilot:
 
     def __init__(self, root: str, storage_options: dict[str, Any], retry: RetryOptions | None,
                  options: AutopilotOptions | None, *, local_tier: bool, enabled: bool = True,
-                 wall: Callable[[], float] = time.time, started: float | None = None) -> None:
+                 wall: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 started: float | None = None, age_s: float | None = None) -> None:
+        """``started``: this incarnation's start on the ``wall`` clock (default
+        ``options.started_at``; bounded to [0, 1 h] before now, a launcher's clock is another
+        process's); else ``age_s``: how long before now it started (default: the process's
+        age on the boot clock, :func:`process_age_s`)."""
         self.enabled = enabled
         self._root, self._storage_options, self._retry = root, storage_options, retry
-        self._local_tier, self._wall = local_tier, wall
+        self._local_tier, self._wall, self._mono = local_tier, wall, monotonic
         self.options = options or AutopilotOptions()
-        if started is None:
-            started = self.options.started_at or process_start_wall()
-        self._started = started
+        wall_now, mono_now = wall(), monotonic()
+        started = self.options.started_at if started is None else started
+        if started is not None and enabled:  # from another process: the wall clock, bounded
+            age_s = _bounded_age(wall_now - started, MAX_START_AGE_S)
+        elif age_s is None:
+            age_s = (process_age_s() or 0.0) if enabled else 0.0
+        #: this incarnation's start, on the wall clock (the record's) and the monotonic one
+        self._started, self._started_mono = wall_now - age_s, mono_now - age_s
+        self._run: str | None = None
         self._saves_seen = 0
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
@@ -114,13 +152,24 @@ class Autopilot:
 
     @classmethod
     def off(cls) -> Autopilot:
-        return cls("", {}, None, None, local_tier=False, enabled=False, started=0.0)
+        return cls("", {}, None, None, local_tier=False, enabled=False, age_s=0.0)
 
     def every_seconds(self, given: Any) -> Any:
         """The ``every_seconds`` the policy starts with."""
         return self._interval.every_s if self.enabled else given
 
     # ---- hooks -----------------------------------------------------------------------------
+    def begin(self, run_id: str | None) -> None:
+        """Constructed, in run ``run_id`` (the Checkpointer's ``RunIdentity.run_id``, or None
+        where only a per-process id names it: the root is then the run): read the record
+        and add this incarnation to it now, so that one which dies before its first save or
+        resume is still counted."""
+        if not self.enabled:
+            return
+        self._run = run_id
+        self._begin()
+        self._update(write=True)
+
     def policy(self, current: SavePolicy) -> SavePolicy:
         """``current`` with the cadences chosen now (the same object when unchanged)."""
         if not self.enabled:
@@ -141,7 +190,7 @@ class Autopilot:
         run after its upload (before its waiters wake)."""
         if not self.enabled:
             return settle if settle is not None else _nothing
-        returned = time.monotonic()
+        returned = self._mono()
         self._begin()
         if settle is None:
             self._saved(kind, returned - started, 0.0, writer)
@@ -150,7 +199,7 @@ class Autopilot:
         def _settle_and_measure() -> None:
             settle()
             try:
-                self._saved(kind, returned - started, time.monotonic() - returned, writer)
+                self._saved(kind, returned - started, self._mono() - returned, writer)
             except Exception:
                 logger.warning("autopilot: the save could not be measured", exc_info=True)
 
@@ -161,17 +210,16 @@ class Autopilot:
         """``load_latest`` (begun at ``started``, ``time.monotonic``) returned ``step``."""
         if not self.enabled:
             return
-        now = time.monotonic()
+        now = self._mono()
         self._begin()
         if step is not None:
             local = local_only or (load_stats is not None and load_stats.bytes_needed > 0
                                    and 2 * load_stats.bytes_from_local >= load_stats.bytes_needed)
-            wall = self._wall()
             with self._lock:
                 assert self._record is not None
-                begun = self._record.incarnations[-1].started
-                self._record.add_restore(RestoreSample(now - started, max(0.0, wall - begun),
-                                                       "local" if local else "store", wall))
+                self._record.add_restore(RestoreSample(
+                    max(0.0, now - started), max(0.0, now - self._started_mono),
+                    "local" if local else "store", self._now()))
         self._update(write=True)
 
     def closed(self) -> None:
@@ -190,19 +238,36 @@ class Autopilot:
         if self._record is not None:
             return
         record = None
+        root = self._record_root()
+        key = run_key(self._run, root)
         if self._rank == 0:
-            record = read_run_record(self._root, self._storage_options, self._retry)
+            record = read_run_record(self._root, self._storage_options, self._retry, run=key)
         if record is None:
-            record = RunRecord(root=self._record_root())
+            record = RunRecord(root=root, run_id=key)
         record.gpus = self._gpus
-        now = self._wall()
-        # a second Checkpointer in one process starts when it begins, not with the process
-        started = self._started if not record.incarnations or (
-            record.incarnations[-1].last_seen <= self._started) else now
-        record.add_incarnation(Incarnation(started, max(now, started),
+        if record.incarnations and record.incarnations[-1].last_seen > self._started:
+            self._start_after(record.incarnations[-1].last_seen)
+        now = self._now()
+        record.add_incarnation(Incarnation(self._started, max(now, self._started),
                                            interval_s=self._interval.every_s))
         with self._lock:
             self._record = record
+
+    def _now(self) -> float:
+        """Now for the record: this incarnation's wall-clock start plus monotonic time."""
+        return self._started + (self._mono() - self._started_mono)
+
+    def _start_after(self, last_seen: float) -> None:
+        """The previous incarnation was last seen after this one started: a second
+        Checkpointer in this process (it starts now, not with the process), or a wall clock
+        stepped back between two processes (it starts at that last sign of life: a gap
+        between incarnations is never negative)."""
+        now = self._now()
+        if now < last_seen:
+            logger.warning("autopilot: the run record's previous incarnation was last seen "
+                           "%.3g s after now (a wall-clock step, or another host's clock): "
+                           "this incarnation is taken to start then", last_seen - now)
+        self._started, self._started_mono = max(now, last_seen), self._mono()
 
     def _record_root(self) -> str:
         try:
@@ -217,11 +282,11 @@ class Autopilot:
             assert self._record is not None
             self._saves_seen += 1
             self._record.add_save(SaveSample(kind, blocking_s, background_s, nbytes,
-                                             self._wall(), first=self._saves_seen == 1))
+                                             self._now(), first=self._saves_seen == 1))
         self._update(write=kind == "durable")
 
     def _estimate(self, record: RunRecord) -> Any:
-        n, exposure = record.evidence(self._wall())
+        n, exposure = record.evidence(self._now())
         return estimate_failures(self.prior, interruptions=n, exposure_s=exposure)
 
     def _update(self, *, write: bool) -> None:
@@ -230,7 +295,7 @@ class Autopilot:
             record = self._record
             assert record is not None
             inc = record.incarnations[-1]
-            inc.last_seen = max(inc.last_seen, self._wall())
+            inc.last_seen = max(inc.last_seen, self._now())
             inc.interval_s = self._interval.every_s
             new = choose_interval(measured_costs(record, self.options.window),
                                   self._estimate(record), self.options,

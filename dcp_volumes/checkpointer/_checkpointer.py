@@ -184,6 +184,8 @@ class Checkpointer:
                                   retry=self.retry, group=ctl, distributed=self._distributed)
         #: this run and process (:class:`~dcp_volumes.checkpointer._run.RunIdentity`)
         self.run = self._run.identity
+        # "auto": this incarnation is in the run's record from now on (the same run as the lease's)
+        self._autopilot.begin(self.run.run_id if self.run.named else None)
 
     # what every save is made with, as checked at construction
     root = property(lambda self: self._setup.root)

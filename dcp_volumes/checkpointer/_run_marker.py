@@ -49,10 +49,13 @@ _FORMAT = 1
 @dataclass(frozen=True)
 class RunIdentity:
     """One run (``run_id``, the same across its restarts where the caller or the launcher
-    says so) in one process (``incarnation``, new in every process)."""
+    says so) in one process (``incarnation``, new in every process). ``named``: the run id
+    came from the caller or the environment; False: made for this process, so a restart gets
+    another one (the run record then takes the root as the run)."""
 
     run_id: str
     incarnation: str
+    named: bool = True
 
 
 def _check_text(name: str, value: str) -> str:
@@ -68,7 +71,9 @@ def run_identity(run_id: str | None = None) -> RunIdentity:
     :data:`RUN_ID_ENV`, else one id for this process)."""
     if run_id is None:
         found = (os.environ.get(k, "") for k in RUN_ID_ENV)
-        run_id = next((v for v in found if v and v.lower() != "none"), _PROCESS_RUN_ID)
+        run_id = next((v for v in found if v and v.lower() != "none"), None)
+        if run_id is None:
+            return RunIdentity(_PROCESS_RUN_ID, uuid.uuid4().hex, named=False)
     return RunIdentity(_check_text("run_id", run_id), uuid.uuid4().hex)
 
 

@@ -50,7 +50,13 @@ from dcp_volumes.goodput._model import (
     young_interval_s,
 )
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
-from dcp_volumes.goodput._record import Incarnation, RestoreSample, RunRecord, SaveSample
+from dcp_volumes.goodput._record import (
+    Incarnation,
+    RestoreSample,
+    RunRecord,
+    SaveSample,
+    run_key,
+)
 from dcp_volumes.goodput._store import read_run_record, record_root, write_run_record
 from dcp_volumes.goodput._two_level import TierCosts
 from dcp_volumes.goodput._two_level_compare import TwoLevelPlan, plan_two_level
@@ -85,6 +91,7 @@ __all__ = [
     "plan_two_level",
     "read_run_record",
     "record_root",
+    "run_key",
     "settle_interval",
     "write_run_record",
     "young_interval_s",

@@ -14,6 +14,7 @@ with what is left (or a fresh record): a record never fails a save or a resume.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import uuid
@@ -31,6 +32,7 @@ __all__ = [
     "SaveSample",
     "dump_record",
     "parse_record",
+    "run_key",
 ]
 
 RECORD_NAME = ".dcpv-run-record.json"
@@ -49,6 +51,16 @@ MAX_MEASURED_S = 86400.0
 _MAX_COUNT = 10**9
 
 Kind = Literal["durable", "local-only"]
+
+
+def run_key(run_id: str | None, root: str) -> str:
+    """The record's name for the run: 32 hex digits of ``run_id`` (the Checkpointer's
+    :class:`~dcp_volumes.checkpointer.RunIdentity`, stable across restarts where the caller or
+    the launcher names the run), or of the record ``root`` where nothing names it (a run id
+    made per process would change at every restart: the root is then the run). Always safe as
+    a name: a digest, never the caller's text."""
+    named = f"run:{run_id}" if run_id is not None else f"root:{root}"
+    return hashlib.sha256(named.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -128,10 +140,13 @@ def _span(inc: Incarnation, next_started: float | None,
     """Whether ``inc`` was interrupted, and how long it ran. An incarnation followed by
     another without closing was interrupted; it ran from its start until half a save interval
     past its last sign of life (a live process writes the record at every durable save), and
-    not past the next one's start. The running one counts up to ``now``."""
+    not past the next one's start (a start before that last sign of life -- a clock stepped
+    back -- adds nothing). The running one counts up to ``now``."""
     if next_started is not None:
-        late = inc.last_seen + inc.interval_s / 2
-        end = inc.last_seen if inc.closed else min(next_started, late)
+        # the gap to the next start spans processes (wall clocks, maybe stepped): bounded to
+        # [0, half an interval], so a clock step never reads as exposure
+        gap = min(max(next_started - inc.last_seen, 0.0), inc.interval_s / 2)
+        end = inc.last_seen if inc.closed else inc.last_seen + gap
         interrupted = 0 if inc.closed else 1
     else:
         end = inc.last_seen if now is None or inc.closed else max(now, inc.last_seen)
@@ -218,10 +233,12 @@ def _entries(doc: dict[str, Any], key: str, cap: int, parse: Any,
     return out
 
 
-def parse_record(data: bytes, *, root: str) -> tuple[RunRecord | None, list[str]]:
+def parse_record(data: bytes, *, root: str,
+                 run: str | None = None) -> tuple[RunRecord | None, list[str]]:
     """The record in ``data`` for the run at ``root`` (normalised URL), and the problems
-    found (empty: clean). ``None``: nothing usable (too large, not JSON, another format or
-    another root); otherwise invalid entries are dropped and listed."""
+    found (empty: clean). ``None``: nothing usable (too large, not JSON, another format,
+    another root, or -- ``run`` given, a :func:`run_key` -- another run); otherwise invalid
+    entries are dropped and listed."""
     if len(data) > MAX_RECORD_BYTES:
         return None, [f"larger than {MAX_RECORD_BYTES // 1024} KiB"]
     try:
@@ -235,6 +252,8 @@ def parse_record(data: bytes, *, root: str) -> tuple[RunRecord | None, list[str]
     run_id = doc.get("run_id")
     if not isinstance(run_id, str) or not 0 < len(run_id) <= 64 or not run_id.isalnum():
         return None, ["no valid run id"]
+    if run is not None and run_id != run:
+        return None, ["written by another run (another run id under this root)"]
     problems: list[str] = []
     record = RunRecord(root=root, run_id=run_id)
     record.saves = _entries(doc, "saves", MAX_SAVES, _save, problems)

@@ -27,10 +27,12 @@ def record_root(backend: Backend) -> str:
 
 
 def read_run_record(root: str, storage_options: dict[str, Any] | None,
-                    retry: RetryOptions | None = None) -> RunRecord | None:
+                    retry: RetryOptions | None = None, *,
+                    run: str | None = None) -> RunRecord | None:
     """The run's record, or ``None`` when there is none or it is unusable (a WARNING says
-    why; invalid entries of a usable record are dropped with a WARNING). Never raises for
-    what the store holds."""
+    why; invalid entries of a usable record are dropped with a WARNING). ``run``: the
+    :func:`~dcp_volumes.goodput.run_key` the record must carry (None: any run's). Never
+    raises for what the store holds."""
     try:
         backend = open_backend(root, storage_options, retry)
         size = backend.run(lambda: backend.size(RECORD_NAME))
@@ -47,7 +49,7 @@ def read_run_record(root: str, storage_options: dict[str, Any] | None,
         logger.warning("the run record under %s could not be read (%s): the autopilot starts "
                        "from its prior and measures again", redact_url(root), type(exc).__name__)
         return None
-    record, problems = parse_record(data, root=record_root(backend))
+    record, problems = parse_record(data, root=record_root(backend), run=run)
     if record is None:
         logger.warning("the run record under %s is ignored (%s): the autopilot starts from its "
                        "prior and measures again; the record is rewritten at the next save",

@@ -169,3 +169,59 @@ def test_options_checked(tmp_path: Path) -> None:
     with pytest.raises(errors.ConfigError):
         Checkpointer(str(tmp_path), every_seconds="often")
     assert Checkpointer(str(tmp_path), every_steps=5).stats == {}  # fixed cadences: unchanged
+
+
+def _auto(root: str, clock: FakeClock, **kw: Any) -> Checkpointer:
+    return Checkpointer(root, every_seconds="auto", autopilot=PRIOR, clock=clock, **kw)
+
+
+def test_one_run_id_for_the_lease_and_the_record(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The record's run is the Checkpointer's ``RunIdentity``: any printable run id (a path
+    included) names the record by a digest; the same run id keeps its history across
+    restarts, another run id under the root starts afresh (WARNING), and with no run id
+    named (one made per process) the root is the run."""
+    for var in ("DCP_VOLUMES_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    root, clock = str(tmp_path / "run"), FakeClock()
+    odd = "../../etc job 42 ∞ " + "x" * 230  # printable, 250 characters
+    first = _auto(root, clock, run_id=odd)
+    _train(first, clock, 1, 20)
+    first.close()
+    doc = json.loads(_record(root, {}))
+    assert doc["run_id"].isalnum() and len(doc["run_id"]) == 32
+    again = _auto(root, clock, run_id=odd)
+    assert again.load_latest(state_at(0)) is not None
+    assert again.stats["costs"]["saves"] == len(doc["saves"])  # the history kept
+    assert again.stats["run_id"] == doc["run_id"]
+    again.close()
+    caplog.set_level(logging.WARNING)
+    other = _auto(root, clock, run_id="another-run")
+    assert other.stats["costs"]["saves"] == 0  # another run's figures are not this one's
+    assert any("another run" in r.message for r in caplog.records)
+    other.close()
+    for _ in range(2):  # per-process run ids: the root is the run
+        unnamed = _auto(root, clock)
+        assert not unnamed.run.named
+        _train(unnamed, clock, 100, 5)
+        unnamed.close()
+    assert json.loads(_record(root, {}))["saves"]
+    assert _auto(root, clock).stats["costs"]["saves"] >= 2
+
+
+def test_an_incarnation_that_dies_before_its_first_save_is_counted(tmp_path: Path) -> None:
+    """A failure during a restart (before ``load_latest`` returns or the first save) is an
+    interruption too: the incarnation is in the record from its construction. Before, it
+    was recorded at its first hook, so such failures were invisible (the goodput harness's
+    seed 1 lost one that way) and the estimate ran long."""
+    root, clock = str(tmp_path / "run"), FakeClock()
+    first = _auto(root, clock)
+    _train(first, clock, 1, 10)
+    del first  # killed
+    dies_restoring = _auto(root, clock)
+    del dies_restoring  # killed before load_latest returned
+    third = _auto(root, clock)
+    assert third.load_latest(state_at(0)) is not None
+    assert third.stats["failures"]["interruptions"] == 2
+    third.close()
