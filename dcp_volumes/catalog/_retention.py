@@ -24,7 +24,7 @@ from dcp_volumes.catalog._scan import (
     list_objects,
 )
 
-__all__ = ["apply_retention", "remove"]
+__all__ = ["apply_retention", "delete_checkpoint", "remove"]
 
 logger = logging.getLogger(__name__)
 

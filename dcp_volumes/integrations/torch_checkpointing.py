@@ -13,7 +13,6 @@ and :func:`resume_path`; see docs/integrations/torch_checkpointing.md.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import re
 import threading
@@ -28,10 +27,11 @@ from torch_checkpointing import CheckpointManager
 from torch_checkpointing.checkpoint_writer import DEFAULT_TEMP_DIR_PREFIX, CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from dcp_volumes import _commit, catalog, errors
+from dcp_volumes import catalog, errors
 from dcp_volumes._layout import METADATA, check_relative_path
 from dcp_volumes._manifest import FileEntry
 from dcp_volumes.backends import Backend, open_backend, redact_url
+from dcp_volumes.catalog._retention import delete_checkpoint
 from dcp_volumes.config import RetryOptions, TransferOptions
 from dcp_volumes.integrations import _tc_checkpoint as stored
 from dcp_volumes.loading.objects import ObjectReader, read_object
@@ -39,8 +39,6 @@ from dcp_volumes.saving.objects import write_object
 
 __all__ = ["COMMIT_NAME", "VolumeStorage", "VolumeStorageConfig", "manager_config",
            "record_rank_files", "resume_path"]
-
-logger = logging.getLogger(__name__)
 
 COMMIT_NAME = METADATA  #: exists in a checkpoint directory iff it is committed
 _JOB = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -229,8 +227,7 @@ class VolumeStorage(Storage):
         candidates = ["/".join(parts[:i]) for i in range(len(parts) - (not include_self), 0, -1)]
         for directory in [d for d in candidates if d in self._views][:1] or candidates:
             if directory not in self._views:
-                backend = self._at(directory)
-                view = backend.run(lambda b=backend: stored.read_view(b))  # type: ignore[misc]
+                view = stored.read_view(self._at(directory))
                 if view is None:
                     continue
                 self._views[directory] = view
@@ -367,59 +364,15 @@ class VolumeStorage(Storage):
                 f"VolumeStorageConfig the writer's temp_dir_prefix "
                 f"({self._config.temp_dir_prefix!r} now)")
         backend, world = self._at(dst), self._config.world_size or 1
+        job = str(self._config.job)
         if self._committed(dst) is not None:
-            self._discard(dst, world)
+            keep = {s.key for s in self._views.get(dst, {}).values()}
+            backend.run(lambda: stored.discard(backend, world_size=world, job=job, keep=keep))
             raise errors.CheckpointExistsError(
                 f"Checkpoint already exists: {redact_url(backend.url)} is committed; this "
                 "save's files were removed. Save under a new name, or rmdir() it first")
-        files = self._gather_records(backend, world)
-        try:
-            stale = backend.run(lambda: stored.commit(backend, files, world_size=world))
-        except errors.CheckpointExistsError:  # _commit removed its files; its records too
-            self._discard(dst, world)
-            raise
-        self._views[dst] = files
-        try:  # the records, and objects of earlier, interrupted attempts
-            backend.run(lambda: backend.remove(stale))
-        except errors.DCPVolumesError as exc:
-            logger.warning("committed %s; %d stale objects left: %s", redact_url(backend.url),
-                           len(stale), type(exc).__name__)
-        logger.info("committed %s: %d files of %d ranks", redact_url(backend.url), len(files),
-                    world)
-
-    def _discard(self, dst: str, world: int) -> None:
-        """Remove (best effort) a refused save's records and the files they name, never a
-        file of the checkpoint committed there."""
-        job, keep = str(self._config.job), {s.key for s in self._views.get(dst, {}).values()}
-        backend = self._at(dst)
-        names = [n for r in range(world) for n in stored.record_names(r, world, job)]
-        for rank in range(world):
-            try:
-                got = backend.run(lambda r=rank: stored.read_record(  # type: ignore[misc]
-                    backend, rank=r, world_size=world, job=job)) or {}
-            except errors.DCPVolumesError:
-                continue
-            names += [s.key for s in got.values() if s.key not in keep]
-        backend.run(lambda: _commit.remove_quietly(backend, names))
-
-    def _gather_records(self, backend: Backend, world: int) -> stored.View:
-        """The files of ranks ``0..world-1``, from records of this job only."""
-        files: stored.View = {}
-        for rank in range(world):
-            got = backend.run(lambda r=rank: stored.read_record(  # type: ignore[misc]
-                backend, rank=r, world_size=world, job=str(self._config.job)))
-            if got is None:
-                raise errors.IncompleteCheckpointError(
-                    f"rank {rank} of {world} left no record of this job in "
-                    f"{redact_url(backend.url)} (set pre_finalize_callback=record_rank_files, "
-                    "as manager_config does; two jobs saving to one path are refused): "
-                    "not committing")
-            for name, entry in got.items():
-                if name in files:
-                    raise errors.ConfigError(f"two ranks wrote {name!r}: give every rank its "
-                                             "own file names in the layout")
-                files[name] = entry
-        return files
+        self._views[dst] = backend.run(lambda: stored.commit_recorded(backend, world_size=world,
+                                                                       job=job))
 
     def delete(self, path: Path) -> None:
         """Only a file this process wrote since its last record (so no commit names it)."""
@@ -436,8 +389,6 @@ class VolumeStorage(Storage):
         if not rel:
             raise errors.ConfigError("refusing to remove the whole storage root")
         backend = self._at(rel)
-        names = [o.name for o in backend.run(backend.scan)]
-        first = [n for n in names if n == METADATA]
-        backend.run(lambda: backend.remove(first))
-        backend.run(lambda: backend.remove([n for n in names if n not in first]))
+        objects = backend.run(backend.scan)
+        backend.run(lambda: delete_checkpoint(backend, "", objects))
         self._views.clear()
