@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--state-mib", type=int, default=4, help="state per rank")
     p.add_argument("--calibrate-s", type=float, default=45.0)
+    p.add_argument("--delta", type=float, metavar="S", help="the fixed intervals from this δ "
+                   "(e.g. an earlier calibration's, to keep them) instead of a calibration run")
+    p.add_argument("--configs", help="comma-separated subset of the configurations to run "
+                   "(fixed-frequent, fixed-young, fixed-rare, auto); default all")
+    p.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. "
+                   "first-seed + seeds - 1 (new seeds draw new failure times)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "goodput-autopilot.jsonl"))
     p.add_argument("--reprocess", metavar="JSONL", help="recompute the measurements and "
                    "predictions of a results file from its runs' events files, rewrite it, "
@@ -232,11 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rank logs: {spares.log}", flush=True)
     try:
         store = _store(server, proxy.endpoint_url)
-        cal = run_once(args, {"name": "calibrate", "every": 4.0}, 0, store, args.calibrate_s,
-                       [], spares)
-        emit({**cal, "section": "calibration"}, rows, args.out)
-        for seed in range(1, args.seeds + 1):
-            cfgs = configurations(cal["delta_s"], args.mttf)
+        delta = args.delta
+        if delta is None:
+            cal = run_once(args, {"name": "calibrate", "every": 4.0}, 0, store,
+                           args.calibrate_s, [], spares)
+            emit({**cal, "section": "calibration"}, rows, args.out)
+            delta = cal["delta_s"]
+        wanted = args.configs.split(",") if args.configs else None
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
+            cfgs = [c for c in configurations(delta, args.mttf)
+                    if wanted is None or c["name"] in wanted]
             kills_at = failure_schedule(seed, args.budget, args.mttf)
             for cfg in cfgs[seed % len(cfgs):] + cfgs[:seed % len(cfgs)]:
                 row = run_once(args, cfg, seed, store, args.budget, kills_at, spares)
