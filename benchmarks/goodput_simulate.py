@@ -3,10 +3,11 @@ goodput it gets, a discrete-event simulation running the autopilot's own code.
 
 The job alternates work and blocking saves; failures are a Poisson process over wall time at
 the job's rate (``N`` GPUs × a per-GPU rate), also during restarts; a failure loses the work
-since the last save's start and costs a restart ``R``. The costs are the ones measured by
-``benchmarks/goodput_autopilot.py`` on this machine (``--delta``, ``--restart``: the median
-save blocking time and launch-to-training of its runs), each save's ``δ`` drawn with 20 %
-log-normal noise. Failure rates: 1 % AFR per GPU (the seed's), and the Llama 3 report's one
+since the last save's start and costs a restart ``R``, and the first save after a restart
+blocks ``X`` more (one-time setup). The costs are the ones measured by
+``benchmarks/goodput_autopilot.py`` on this machine (``--delta``, ``--restart``,
+``--first-save-extra``: the pooled median steady save, launch to training and first-save
+extra of its runs), each save's ``δ`` drawn with 20 % log-normal noise. Failure rates: 1 % AFR per GPU (the seed's), and the Llama 3 report's one
 interruption every ~3 h on 16,384 GPUs scaled to ``N``.
 
 Policies: ``auto`` (the autopilot's run record, Gamma–Poisson estimate and interval choice,
@@ -14,7 +15,8 @@ Policies: ``auto`` (the autopilot's run record, Gamma–Poisson estimate and int
 given) and with a prior 10× too optimistic; the offline Young optimum (the true rate
 known); fixed 30 min and 2 h. Goodput = useful work ÷ wall time over ``--days``::
 
-    python benchmarks/goodput_simulate.py --delta 1.4 --restart 5.5 --days 30 --seeds 5
+    python benchmarks/goodput_simulate.py --delta 1.45 --restart 8.8 --first-save-extra 1.8 \
+        --days 30 --seeds 3
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class Auto:
         self.current = settle_interval(self.current, new, self.opts)
         return float(self.current.every_s)
 
-    def saved(self, now: float, delta: float, every: float) -> None:
-        self.record.add_save(SaveSample("durable", delta, 0.0, 0, T0 + now))
+    def saved(self, now: float, delta: float, every: float, first: bool = False) -> None:
+        self.record.add_save(SaveSample("durable", delta, 0.0, 0, T0 + now, first=first))
         inc = self.record.incarnations[-1]
         inc.last_seen, inc.interval_s = T0 + now, every
 
@@ -76,22 +78,25 @@ class Auto:
 
 
 def simulate(policy: Any, *, mttf: float, delta: float, restart: float, days: float,
-             seed: int) -> dict[str, Any]:
-    """One run of ``days``; ``policy`` is a number (seconds between save starts) or Auto."""
+             seed: int, extra: float = 0.0) -> dict[str, Any]:
+    """One run of ``days``; ``policy`` is a number (seconds between save starts) or Auto;
+    ``extra``: what the first save after a restart blocks beyond ``δ``."""
     rng = random.Random(seed)
     end, t, useful, failures = days * 86400.0, 0.0, 0.0, 0
+    first = True
     next_fail = rng.expovariate(1.0 / mttf)
     chosen: list[float] = []
     while t < end:
         every = policy.every(t) if isinstance(policy, Auto) else float(policy)
         chosen.append(every)
-        d = delta * math.exp(rng.gauss(0.0, 0.2))
+        d = delta * math.exp(rng.gauss(0.0, 0.2)) + (extra if first else 0.0)
         work = max(every - delta, 1e-3)
         if min(next_fail, end) >= t + work + d:  # the segment and its save complete
             t += work + d
             useful += work
             if isinstance(policy, Auto):
-                policy.saved(t, d, every)
+                policy.saved(t, d, every, first)
+            first = False
             continue
         if next_fail >= end:  # the run ends inside this segment: its work so far counts
             useful += max(0.0, min(end - t, work))
@@ -103,6 +108,7 @@ def simulate(policy: Any, *, mttf: float, delta: float, restart: float, days: fl
             failures, t = failures + 1, next_fail
             next_fail = t + rng.expovariate(1.0 / mttf)
         t += restart
+        first = True
         if isinstance(policy, Auto):
             policy.restarted(failed_at, t, restart)
     return {"goodput": useful / end, "failures": failures,
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--delta", type=float, required=True, help="save blocking time, s")
     p.add_argument("--restart", type=float, required=True, help="restart cost, s")
+    p.add_argument("--first-save-extra", type=float, default=0.0,
+                   help="what the first save after a restart blocks beyond δ, s")
     p.add_argument("--days", type=float, default=30.0)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--gpus", default="1024,4096,16384")
@@ -138,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             mttf = m_of(n)
             for name, make in _policies(n, mttf, args.delta).items():
                 runs = [simulate(make(), mttf=mttf, delta=args.delta, restart=args.restart,
-                                 days=args.days, seed=s) for s in range(args.seeds)]
+                                 days=args.days, seed=s, extra=args.first_save_extra)
+                        for s in range(args.seeds)]
                 _row(args, rate, n, mttf, name, runs)
     return 0
 
@@ -148,9 +157,10 @@ def _row(args: argparse.Namespace, rate: str, n: int, mttf: float, name: str,
     every = statistics.median(r["final_every_s"] for r in runs)
     g = [r["goodput"] for r in runs]
     model = expected_goodput(max(every - args.delta, 1e-3), checkpoint_cost_s=args.delta,
-                             mttf_s=mttf, restart_cost_s=args.restart)
+                             mttf_s=mttf, restart_cost_s=args.restart + args.first_save_extra)
     row = {"section": "simulated", "rate": rate, "gpus": n, "mttf_s": mttf, "policy": name,
-           "delta_s": args.delta, "restart_s": args.restart, "days": args.days,
+           "delta_s": args.delta, "restart_s": args.restart,
+           "first_save_extra_s": args.first_save_extra, "days": args.days,
            "seeds": args.seeds, "final_every_s": every, "goodput": g, "model_goodput": model,
            "failures": [r["failures"] for r in runs], "command": " ".join(sys.argv)}
     with open(args.out, "a") as f:
