@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         crn_report,
         emit,
         plot,
+        print_paired,
     )
 
     from dcp_volumes.bench.target import ProfileProxy
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.reprocess, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         crn_report(rows)
+        print_paired(rows)
         if args.plot:
             plot(rows, args.plot)
         return 0

@@ -173,6 +173,43 @@ def crn_report(rows: list[dict[str, Any]]) -> None:
         print(f"| {name} | {' | '.join(cells)} |")
 
 
+#: two-sided 95 % quantiles of Student's t, by degrees of freedom (beyond 30: the normal's)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_summary(rows: list[dict[str, Any]], name: str = "auto",
+                   against: str = "fixed-young") -> dict[str, Any] | None:
+    """``name`` − ``against`` per seed (points), with their median, mean, standard deviation
+    and the 95 % t-interval of the mean; None with fewer than two paired seeds."""
+    runs = [r for r in rows if r.get("section") == "run" and r.get("goodput") is not None]
+    a = {r["seed"]: r["goodput"] for r in runs if r["config"] == name}
+    b = {r["seed"]: r["goodput"] for r in runs if r["config"] == against}
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    d = [100 * (a[s] - b[s]) for s in seeds]
+    mean, sd = statistics.fmean(d), statistics.stdev(d)
+    half = _T975[min(len(d) - 2, len(_T975) - 1)] * sd / math.sqrt(len(d))
+    loads = _pick([r for r in runs if r["seed"] in seeds], "load_mean")
+    return {"seeds": seeds, "diffs": d, "median": statistics.median(d), "mean": mean,
+            "sd": sd, "ci95": (mean - half, mean + half),
+            "load_median": statistics.median(loads) if loads else None,
+            "load_range": (min(loads), max(loads)) if loads else None}
+
+
+def print_paired(rows: list[dict[str, Any]]) -> None:
+    s = paired_summary(rows)
+    if s is None:
+        return
+    print(f"\nauto − fixed-young, points, seeds {s['seeds'][0]}–{s['seeds'][-1]} "
+          f"({len(s['seeds'])}): " + ", ".join(f"{x:+.1f}" for x in s["diffs"]))
+    print(f"median {s['median']:+.1f}, mean {s['mean']:+.2f}, sd {s['sd']:.1f}, 95 % interval "
+          f"of the mean {s['ci95'][0]:+.1f} to {s['ci95'][1]:+.1f}; load (1-min, per run) "
+          f"median {s['load_median']:.1f}, {s['load_range'][0]:.1f}–{s['load_range'][1]:.1f}")
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     """Measured goodput per run, one line per seed across the configurations (common random
     numbers: a seed's runs saw the same failures), and the model's prediction (crosses)."""
