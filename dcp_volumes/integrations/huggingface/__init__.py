@@ -19,7 +19,8 @@ Example::
     trainer.train(resume_from_checkpoint=trainer.resume_path())  # None: start fresh
 
 Modules: ``_state`` (model/optimizer/RNG state, framework-neutral), ``_accelerate``,
-``_trainer``. See ``docs/integrations/huggingface.md``.
+``_trainer`` (the trainer and its save; its resume in ``_trainer_resume``). See
+``docs/integrations/huggingface.md``.
 """
 
 from __future__ import annotations
