@@ -72,8 +72,8 @@ class VolumeStorageConfig(StorageConfig):
         storage_options: fsspec options (endpoint, credentials); passed to fsspec, never logged.
         part_size: bytes per multipart part (S3 needs >= 5 MiB; GCS a multiple of 256 KiB),
             also the block a read fetches and checks (one CRC32C per part).
-        parts_in_flight: part uploads (and ranged GETs) in flight per file (memory:
-            × ``part_size``).
+        parts_in_flight: part uploads (and ranged GETs) in flight per file (memory: one
+            more × ``part_size``, the part being filled).
         retry: retries of transient store errors.
         rank, world_size: this process's place; by default from ``torch.distributed``.
         job: an id shared by the job's ranks (default: rank 0 broadcasts a random one, so
