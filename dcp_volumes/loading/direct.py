@@ -15,7 +15,7 @@ from dcp_volumes.loading.apply import PlannerTarget
 from dcp_volumes.loading.needs import Need, plan_ranges
 from dcp_volumes.loading.serve import serve
 from dcp_volumes.loading.sources import CannotServe, LocalTierSource, StoreSource, Unserved
-from dcp_volumes.transfer.download import RangeRequest
+from dcp_volumes.transfer.download import MIN_SPLIT_GET, RangeRequest
 
 __all__ = ["TierRead", "read_store", "read_tier"]
 
@@ -40,19 +40,27 @@ def read_tier(needs: list[Need], source: LocalTierSource, target: PlannerTarget,
     out = TierRead(elsewhere=[n for n in needs if n.relative not in source.files])
     if not mine:
         return out
-    into: list[RangeRequest] = []
-    rest: list[Need] = []
-    for need in mine:
-        d = target.direct(need)
-        if d is not None and (d.start, d.end) == (need.start, need.end):
-            into.append(RangeRequest(need.relative, need.start, need.end, [need], into=d))
-        else:
-            rest.append(need)
+    into, rest = _split_direct(mine, target, min_size=0)
     ranges = into + plan_ranges(rest, gap=gap, max_size=max_size)
     served = serve(source, ranges, target, url=url)
     _warn(served.unserved, url)
     out.bytes_used, out.fallback = served.nbytes, served.failed
     return out
+
+
+def _split_direct(needs: list[Need], target: PlannerTarget, *, min_size: int
+                  ) -> tuple[list[RangeRequest], list[Need]]:
+    """The needs of at least ``min_size`` bytes that are exactly a target's memory (each a
+    range read straight into it: no buffer, no copy), and the rest."""
+    into: list[RangeRequest] = []
+    rest: list[Need] = []
+    for need in needs:
+        d = target.direct(need) if need.end - need.start >= min_size else None
+        if d is not None and (d.start, d.end) == (need.start, need.end):
+            into.append(RangeRequest(need.relative, need.start, need.end, [need], into=d))
+        else:
+            rest.append(need)
+    return into, rest
 
 
 def _warn(unserved: list[tuple[Need, CannotServe]], url: str) -> None:
@@ -85,7 +93,11 @@ def read_store(needs: list[Need], store: StoreSource, target: PlannerTarget, *, 
     needs = [n for n in needs if not (n.start == n.end and n.first_block is not None)]
     if not needs:
         return 0
-    ranges = plan_ranges(needs, gap=gap, max_size=max_size)
+    # A large tensor's bytes go from the socket straight into its memory; small ones are
+    # still coalesced into fewer GETs (a GET costs more than a copy of a small item)
+    into, rest = _split_direct(needs, target, min_size=MIN_SPLIT_GET)
+    ranges = sorted(into + plan_ranges(rest, gap=gap, max_size=max_size),
+                    key=lambda r: (r.relative, r.start))
     store.check(ranges)
     serve(store, ranges, target, url=url, last=True)
     return len(ranges)

@@ -35,7 +35,7 @@ class RangeRequest:
 
 #: what :func:`fetch_ranges` yields for a range: its bytes, or why its object could not be
 #: read (gone: ``ObjectNotFoundError``; no longer the pinned version: ``CheckpointChangedError``)
-Fetched = bytes | bytearray | errors.ObjectNotFoundError | errors.CheckpointChangedError
+Fetched = bytes | bytearray | memoryview | errors.ObjectNotFoundError | errors.CheckpointChangedError
 
 
 class _Fetches:
@@ -82,14 +82,19 @@ class _Fetches:
                                                      stats=self.stats)
             return await self.backend.cat(req.relative, start=start, end=end, stats=self.stats)
 
-    async def _fetch_one(self, req: RangeRequest) -> bytes | bytearray:
+    async def _fetch_one(self, req: RangeRequest) -> bytes | bytearray | memoryview:
         chunk_size = self.chunk_size
-        if req.end - req.start <= chunk_size:
+        if req.into is None and req.end - req.start <= chunk_size:
             return await self._get(req, req.start, req.end)
         # One large item: parallel ranged GETs of chunk_size, each read straight into its
-        # place in the item's buffer (no chunk held apart and copied again).
-        out = bytearray(req.end - req.start)
-        view = memoryview(out)
+        # place in the item's buffer (no chunk held apart and copied again); with ``into``,
+        # that buffer is the target's own memory.
+        if req.into is not None:
+            out: bytearray | memoryview = req.into.view.numpy().data.cast("B")
+            view = memoryview(out)
+        else:
+            out = bytearray(req.end - req.start)
+            view = memoryview(out)
         bounds = [(o, min(o + chunk_size, req.end)) for o in range(req.start, req.end, chunk_size)]
         try:
             got = await asyncio.gather(*(self._get_into(req, view[a - req.start:b - req.start], a)
@@ -98,6 +103,8 @@ class _Fetches:
             view.release()
         for (a, b), n in zip(bounds, got):
             if n != b - a:  # the object is shorter: the checks report it truncated
+                if isinstance(out, memoryview):
+                    return out[:a - req.start + n]
                 del out[a - req.start + n:]
                 break
         return out

@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_volumes import TransferOptions, VolumeReader, VolumeWriter
 from dcp_volumes.backends import open_backend
 from dcp_volumes.errors import CheckpointChangedError
+from dcp_volumes.testing.suite import failures_of
 
 MiB = 1 << 20
 
@@ -62,3 +64,45 @@ def test_a_large_item_loads_through_split_gets(request: pytest.FixtureRequest, t
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_large_tensors_load_straight_into_their_targets(
+        seaweedfs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor of at least 2 MiB stored whole is read from the store into the target's own
+    memory (issue 28: no item buffer, no copy into the tensor); small ones still arrive in
+    coalesced GETs and are copied in; a shard shorter than its manifest fails its check."""
+    import dcp_volumes.loading.apply as apply_mod
+    from dcp_volumes.errors import IntegrityError
+
+    store = seaweedfs.store()
+    root = f"{store.root}/direct"
+    g = torch.Generator().manual_seed(5)
+    state = {"big0": torch.rand(3 * MiB // 4, generator=g),
+             "big1": torch.rand(6 * MiB // 4 + 3, generator=g),
+             "small": torch.rand(1000, generator=g)}
+    dcp.save(state, storage_writer=VolumeWriter(root, storage_options=store.storage_options),
+             no_dist=True)
+    copied: list[int] = []
+    apply_need = apply_mod.apply_need
+
+    def counted(need: Any, chunk: memoryview, *args: Any, **kwargs: Any) -> None:
+        copied.append(len(chunk))
+        apply_need(need, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(apply_mod, "apply_need", counted)
+    reader = VolumeReader(root, storage_options=store.storage_options,
+                          transfer=TransferOptions(part_size=5 * MiB, max_concurrency=4))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert copied and max(copied) < MiB  # only the small tensor was copied in
+
+    backend = open_backend(root, store.storage_options)
+    shard = next(p for p in backend.run(backend.list_names) if p.endswith(".distcp"))
+    whole = backend.run(lambda: backend.cat(shard))
+    backend.run(lambda: backend.put(shard, whole[:len(whole) - MiB]))  # big1's end is cut
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({k: torch.zeros_like(v) for k, v in state.items()},
+                 storage_reader=VolumeReader(root, storage_options=store.storage_options),
+                 no_dist=True)
+    assert all(isinstance(e, IntegrityError) for e in failures_of(info.value))
