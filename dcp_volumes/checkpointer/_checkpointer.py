@@ -112,6 +112,9 @@ class Checkpointer:
             ``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``, else one id per process). The first
             save takes a lease on ``root`` for the run; a save while another run holds it
             raises :class:`~dcp_volumes.errors.RootInUseError` (see ``docs/guarantees.md``).
+            ``every_seconds="auto"`` keeps its run record for the same run (a record of
+            another run id under ``root`` is ignored; with no run id named, the root is
+            the run).
 
     Raises:
         BucketNotFoundError: the bucket or container of ``root`` does not exist (checked
