@@ -106,3 +106,14 @@ def test_large_tensors_load_straight_into_their_targets(
                  storage_reader=VolumeReader(root, storage_options=store.storage_options),
                  no_dist=True)
     assert all(isinstance(e, IntegrityError) for e in failures_of(info.value))
+
+    # one flipped byte inside a large tensor (both big ones are read in place): the CRC32C
+    # checked in the target's memory fails the load
+    flipped = bytearray(whole)
+    flipped[len(flipped) // 2] ^= 0xFF
+    backend.run(lambda: backend.put(shard, bytes(flipped)))
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({k: torch.zeros_like(v) for k, v in state.items()},
+                 storage_reader=VolumeReader(root, storage_options=store.storage_options),
+                 no_dist=True)
+    assert all(isinstance(e, IntegrityError) for e in failures_of(info.value))
