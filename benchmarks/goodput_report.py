@@ -171,6 +171,29 @@ def crn_report(rows: list[dict[str, Any]]) -> None:
                  f"{statistics.median(a['predicted'][k] for a in mine):.1f}"
                  for k in ("restart", "first_save_extra", "saves", "lost", "per_step", "useful")]
         print(f"| {name} | {' | '.join(cells)} |")
+    _model_check(runs, p, both, delta=delta, restart=restart + extra, mttf=mttf, m_seen=w / n,
+                 eps=eps)
+
+
+def _model_check(runs: list[dict[str, Any]], p: dict[str, Any], both: list[Any], *,
+                 delta: float, restart: float, mttf: float, m_seen: float, eps: float) -> None:
+    """Per configuration, the mean measured goodput against the model's at the injected
+    ``M``, at the ``M`` the seeds actually drew, and at each run's own failure count."""
+    step = statistics.median(_pick(runs, "step_s"))
+    print(f"\nthe model against the measurement, mean over seeds (points; M injected {mttf:g} s,"
+          f" drawn {m_seen:.1f} s):")
+    print("| config | measured | model at injected M | measured − model | model at drawn M | "
+          "measured − model | model at the run's N | measured − model |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in p["names"]:
+        every = _cadence([r for r in runs if r["config"] == name])
+        got = statistics.fmean(p["per"][name][s] for s in p["seeds"])
+        at = [predict(every, delta, restart, m)["predicted_exponential"] * step / (step + eps)
+              for m in (mttf, m_seen)]
+        own = [r["predicted_model"] for r, _ in both if r["config"] == name]
+        cells = [*at, statistics.fmean(own)] if own else at
+        print(f"| {name} | {got:.1%} | " + " | ".join(
+            f"{c:.1%} | {100 * (got - c):+.1f}" for c in cells) + " |")
 
 
 #: two-sided 95 % quantiles of Student's t, by degrees of freedom (beyond 30: the normal's)
@@ -200,14 +223,18 @@ def paired_summary(rows: list[dict[str, Any]], name: str = "auto",
 
 
 def print_paired(rows: list[dict[str, Any]]) -> None:
-    s = paired_summary(rows)
-    if s is None:
-        return
-    print(f"\nauto − fixed-young, points, seeds {s['seeds'][0]}–{s['seeds'][-1]} "
-          f"({len(s['seeds'])}): " + ", ".join(f"{x:+.1f}" for x in s["diffs"]))
-    print(f"median {s['median']:+.1f}, mean {s['mean']:+.2f}, sd {s['sd']:.1f}, 95 % interval "
-          f"of the mean {s['ci95'][0]:+.1f} to {s['ci95'][1]:+.1f}; load (1-min, per run) "
-          f"median {s['load_median']:.1f}, {s['load_range'][0]:.1f}–{s['load_range'][1]:.1f}")
+    """``auto`` against each fixed configuration the rows hold, paired by seed."""
+    for against in ("fixed-young", "fixed-frequent", "fixed-rare"):
+        s = paired_summary(rows, "auto", against)
+        if s is None:
+            continue
+        ahead = sum(d > 0 for d in s["diffs"])
+        print(f"\nauto − {against}, points, seeds {s['seeds'][0]}–{s['seeds'][-1]} "
+              f"({len(s['seeds'])}): " + ", ".join(f"{x:+.1f}" for x in s["diffs"]))
+        print(f"median {s['median']:+.1f}, mean {s['mean']:+.2f}, sd {s['sd']:.1f}, 95 % "
+              f"interval of the mean {s['ci95'][0]:+.1f} to {s['ci95'][1]:+.1f}; auto ahead in "
+              f"{ahead} of {len(s['diffs'])}; load (1-min, per run) median "
+              f"{s['load_median']:.1f}, {s['load_range'][0]:.1f}–{s['load_range'][1]:.1f}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -223,11 +250,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     names = sorted(names, key=lambda n: ("auto" in n, _cadence([r for r in runs
                                                                if r["config"] == n])))
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    first = min(r["seed"] for r in runs)
     for seed in sorted({r["seed"] for r in runs}):
         mine = {r["config"]: r["goodput"] for r in runs if r["seed"] == seed}
         xs = [i for i, n in enumerate(names) if n in mine]
         ax.plot(xs, [mine[names[i]] for i in xs], marker="o", color="tab:blue", alpha=0.35,
-                label="measured, one line per seed" if seed == 1 else None)
+                label="measured, one line per seed" if seed == first else None)
     for i, name in enumerate(names):
         med = statistics.median(_pick([r for r in runs if r["config"] == name], "goodput"))
         ax.scatter([i], [med], marker="_", s=900, color="tab:blue",
