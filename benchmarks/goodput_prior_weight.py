@@ -29,9 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
+import os
 import statistics
+import sys
 from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from goodput_launch import failure_schedule  # type: ignore[import-not-found]
 
 Estimator = Callable[[float, int], float]  # (exposure T, interruptions n) -> M̂
 
@@ -54,15 +58,6 @@ def robust(m0: float, parts: tuple[tuple[float, float], ...] = ((0.5, 4.0), (0.5
         odds = [math.exp(x - top) for x in logs]
         return sum(odds) / sum(o * m for o, m in zip(odds, means))
     return estimate
-
-
-def failures(seed: int, budget: float, mttf: float) -> list[float]:
-    rng, out, t = random.Random(seed), [], 0.0
-    while True:
-        t += rng.expovariate(1.0 / mttf)
-        if t > budget:
-            return out
-        out.append(t)
 
 
 def run(kills: list[float], args: argparse.Namespace, est: Estimator | None, *,
@@ -137,7 +132,7 @@ def main() -> int:
     if args.rows:
         _replay(args, estimators)
         return 0
-    kills = [failures(s, args.budget, args.mttf) for s in range(args.seeds)]
+    kills = [failure_schedule(s, args.budget, args.mttf) for s in range(args.seeds)]
     fixed = [run(k, args, None) for k in kills]
     cases = [(name, est, True) for name, est in estimators.items()]
     cases.insert(1, ("w 0.25, failures in restarts uncounted", estimators["w 0.25"], False))

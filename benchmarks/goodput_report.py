@@ -147,8 +147,7 @@ def crn_report(rows: list[dict[str, Any]]) -> None:
         mine = [r for r in runs if r["config"] == name]
         every = _cadence(mine)
         step = statistics.median(_pick(runs, "step_s"))
-        exp = (predict(every, delta, restart + extra, mttf)["predicted_exponential"]
-               * step / (step + eps))
+        exp = _model_at(every, delta, restart + extra, mttf, step, eps)
         model = {r["seed"]: r["predicted_model"] for r, a in both if r["config"] == name}
         gap = [p["per"][name][s] - model[s] for s in p["seeds"] if s in model]
         d = p["diffs"][name]
@@ -175,6 +174,12 @@ def crn_report(rows: list[dict[str, Any]]) -> None:
                  eps=eps)
 
 
+def _model_at(every: float, delta: float, restart: float, mttf: float, step: float,
+              eps: float) -> float:
+    """The exponential model's goodput, less the per-step overhead ``ε`` of a timed cadence."""
+    return predict(every, delta, restart, mttf)["predicted_exponential"] * step / (step + eps)
+
+
 def _model_check(runs: list[dict[str, Any]], p: dict[str, Any], both: list[Any], *,
                  delta: float, restart: float, mttf: float, m_seen: float, eps: float) -> None:
     """Per configuration, the mean measured goodput against the model's at the injected
@@ -188,8 +193,7 @@ def _model_check(runs: list[dict[str, Any]], p: dict[str, Any], both: list[Any],
     for name in p["names"]:
         every = _cadence([r for r in runs if r["config"] == name])
         got = statistics.fmean(p["per"][name][s] for s in p["seeds"])
-        at = [predict(every, delta, restart, m)["predicted_exponential"] * step / (step + eps)
-              for m in (mttf, m_seen)]
+        at = [_model_at(every, delta, restart, m, step, eps) for m in (mttf, m_seen)]
         own = [r["predicted_model"] for r, _ in both if r["config"] == name]
         cells = [*at, statistics.fmean(own)] if own else at
         print(f"| {name} | {got:.1%} | " + " | ".join(
