@@ -2,12 +2,15 @@
 in its record under the root (rank 0 writes it), estimates its failure rate from a prior and
 its own interruptions, and re-chooses the cadences (:mod:`dcp_volumes.goodput._auto`).
 
-The Checkpointer calls five hooks: :meth:`Autopilot.begin` (constructed: this incarnation is
+The Checkpointer calls six hooks: :meth:`Autopilot.begin` (constructed: this incarnation is
 recorded at once, so one that dies in its restart still counts), :meth:`Autopilot.track` (a
 save started; its completion is watched), :meth:`Autopilot.resumed` (``load_latest``
-returned), :meth:`Autopilot.policy` (before each decision: the cadences now) and
-:meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do nothing.
-Nothing here fails a save or a resume: the record's problems are WARNINGs.
+returned), :meth:`Autopilot.policy` (before each decision: the cadences now),
+:meth:`Autopilot.flush` (``wait()``) and :meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do nothing.
+Nothing here fails a save or a resume: the record's problems are WARNINGs. Only the
+construction's write is made in the caller's thread (so an incarnation that dies in its
+restart is counted); the others are made in the background
+(:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its record.
 
 Clocks: every duration within this process (exposure, a save, a resume, the process's start
 to training) is measured on the monotonic clock. The record's timestamps are this
@@ -26,13 +29,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from dcp_volumes import errors
 from dcp_volumes.backends import open_backend
 from dcp_volumes.checkpointer._policy import SavePolicy
+from dcp_volumes.checkpointer._record_writes import record_writes
 from dcp_volumes.config import RetryOptions
 from dcp_volumes.goodput import (
     AutoInterval,
@@ -125,7 +129,6 @@ class Autopilot:
                       if model is not None else default_prior(gpus,
                                                               weight=self.options.prior_weight))
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
         self._record: RunRecord | None = None
         self._interval = choose_interval(measured_costs(RunRecord(root="")),
                                          self._estimate(RunRecord(root="")), self.options,
@@ -168,7 +171,7 @@ class Autopilot:
             return
         self._run = run_id
         self._begin()
-        self._update(write=True)
+        self._update(write="now")
 
     def policy(self, current: SavePolicy) -> SavePolicy:
         """``current`` with the cadences chosen now (the same object when unchanged)."""
@@ -220,7 +223,7 @@ class Autopilot:
                 self._record.add_restore(RestoreSample(
                     max(0.0, now - started), max(0.0, now - self._started_mono),
                     "local" if local else "store", self._now()))
-        self._update(write=True)
+        self._update(write="background")
 
     def closed(self) -> None:
         """``close()`` after the last save completed: a clean end, not an interruption --
@@ -230,7 +233,13 @@ class Autopilot:
         if sys.exc_info()[1] is None:
             with self._lock:
                 self._record.incarnations[-1].closed = True
-        self._update(write=True)
+        self._update(write="background")
+        self.flush()  # the clean end is in the store when close() returns
+
+    def flush(self) -> None:
+        """Wait for the record's write in flight (``Checkpointer.wait()``)."""
+        if self.enabled and self._rank == 0:
+            record_writes().flush(self._root)
 
     # ---- internals -------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -241,6 +250,7 @@ class Autopilot:
         root = self._record_root()
         key = run_key(self._run, root)
         if self._rank == 0:
+            record_writes().flush(self._root)  # a write of this process's earlier Checkpointer
             record = read_run_record(self._root, self._storage_options, self._retry, run=key)
         if record is None:
             record = RunRecord(root=root, run_id=key)
@@ -283,14 +293,15 @@ class Autopilot:
             self._saves_seen += 1
             self._record.add_save(SaveSample(kind, blocking_s, background_s, nbytes,
                                              self._now(), first=self._saves_seen == 1))
-        self._update(write=kind == "durable")
+        self._update(write="background" if kind == "durable" else None)
 
     def _estimate(self, record: RunRecord) -> Any:
         n, exposure = record.evidence(self._now())
         return estimate_failures(self.prior, interruptions=n, exposure_s=exposure)
 
-    def _update(self, *, write: bool) -> None:
-        """Recompute the cadences from the record; rank 0 writes the record when asked."""
+    def _update(self, *, write: Literal["now", "background"] | None) -> None:
+        """Recompute the cadences from the record; rank 0 writes the record when asked, now
+        or in the background."""
         with self._lock:
             record = self._record
             assert record is not None
@@ -304,11 +315,19 @@ class Autopilot:
             changed, self._interval = chosen is not self._interval, chosen
         if changed:
             self._log(chosen)
-        if write and self._rank == 0:
-            with self._write_lock:  # one write at a time, each of the state as it is then
-                with self._lock:
-                    snapshot = copy.deepcopy(record)
-                write_run_record(self._root, self._storage_options, self._retry, snapshot)
+        if write is None or self._rank != 0:
+            return
+        with self._lock:  # the state as it is now: a newer snapshot supersedes it
+            snapshot = copy.deepcopy(record)
+
+        def _write() -> None:
+            write_run_record(self._root, self._storage_options, self._retry, snapshot)
+
+        if write == "now":
+            record_writes().flush(self._root)  # never overtaken by an older snapshot
+            _write()
+        else:
+            record_writes().submit(self._root, _write)
 
     def _log(self, chosen: AutoInterval) -> None:
         local = ("" if chosen.local_every_s is None

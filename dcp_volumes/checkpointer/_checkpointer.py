@@ -315,8 +315,10 @@ class Checkpointer:
         return self._saves.upload_idle()
 
     def wait(self) -> None:
-        """Wait for the background save in flight (if any); raise if it failed."""
+        """Wait for the background save in flight (if any) and, with ``every_seconds="auto"``,
+        for the run record's write; raise if the save failed."""
         self._saves.finish_pending()
+        self._autopilot.flush()
 
     # ---- resume --------------------------------------------------------------------------
     def load_latest(self, state_dict: dict[str, Any]) -> int | None:

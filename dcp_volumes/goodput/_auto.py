@@ -7,11 +7,14 @@ save started every ``τ + δ`` seconds, clamped to at least the time a durable s
 complete (``δ + U``, with 10 % to spare: shorter, and saves would queue behind each other)
 and to ``[min_interval_s, max_interval_s]``. With a local tier both cadences come from the
 two-level plan (:func:`~dcp_volumes.goodput.two_level_intervals_s`). A new interval replaces
-the current one only when it differs by more than ``change_threshold``.
+the current one only when it differs by more than ``change_threshold``. Until a steady save
+is measured, ``δ`` is the first saves' (which also pay one-time setup): an upper bound, and
+the interval it gives at most ``√(δ_first/δ)`` too long, for one interval.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -179,21 +182,26 @@ def choose_interval(costs: MeasuredCosts, estimate: FailureEstimate, options: Au
     """The cadences for ``costs`` and ``estimate`` (before smoothing)."""
     m = estimate.mttf_s
     delta = costs.durable_blocking_s
-    if delta is None or costs.steady_saves == 0:
-        # a run's first save also pays one-time setup: its δ is not the one to plan by
+    if delta is None:
         every = min(max(options.initial_interval_s, options.min_interval_s),
                     options.max_interval_s)
         return AutoInterval(every_s=every, local_every_s=None, work_s=every, delta_s=None,
                             upload_s=0.0, restart_s=costs.restart_s, mttf_s=m,
                             formula="none yet", predicted_goodput=None,
-                            reason=("no save measured yet: the next two measure δ"
-                                    if delta is None else "only a first save measured (it "
-                                    "pays one-time setup): the next one measures δ"))
+                            reason="no save measured yet: the first one measures δ")
     delta = max(delta, 1e-3)
     upload = costs.durable_background_s
     floor = QUEUE_MARGIN * (delta + upload)
-    if local_tier:
-        return _two_level(costs, delta, upload, floor, m, options)
+    chosen = (_two_level(costs, delta, upload, floor, m, options) if local_tier
+              else _young(costs, delta, upload, floor, m, options))
+    if costs.steady_saves == 0:  # a first save also pays one-time setup: never cheaper
+        return dataclasses.replace(chosen, reason=f"{chosen.reason}; δ from first saves only, "
+                                   "an upper bound until a steady save is measured")
+    return chosen
+
+
+def _young(costs: MeasuredCosts, delta: float, upload: float, floor: float, m: float,
+           options: AutopilotOptions) -> AutoInterval:
     tau = math.sqrt(2.0 * delta * m) if math.isfinite(m) else math.inf
     every, why = _clamp(tau + delta, floor, options)
     work = max(every - delta, 1e-3)

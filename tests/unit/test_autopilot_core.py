@@ -294,14 +294,22 @@ def test_started_at_checked() -> None:
         AutopilotOptions(started_at=-1.0)
 
 
-def test_a_cold_first_save_alone_does_not_set_the_interval() -> None:
-    # the run's first save pays one-time setup: the interval waits for a steady one
+def test_a_cold_first_save_alone_gives_an_upper_bound_interval() -> None:
+    # the run's first save also pays one-time setup: its δ is an upper bound, used until a
+    # steady save is measured (a second save only to measure δ costs a save per job)
     est = estimate_failures(FailurePrior(mttf_s=3600.0), interruptions=0, exposure_s=0.0)
     r = RunRecord(root=ROOT)
+    none_yet = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=False)
+    assert none_yet.every_s == 1.0 and none_yet.delta_s is None
     r.add_save(SaveSample("durable", 4.0, 0.0, 1, T0, first=True))
     boot = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=False)
-    assert boot.every_s == 1.0 and boot.delta_s is None and "first save" in boot.reason
+    assert boot.delta_s == 4.0 and "upper bound" in boot.reason
+    assert boot.every_s == pytest.approx(math.sqrt(2 * 4.0 * 3600) + 4.0)
+    two = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=True)
+    assert two.delta_s == 4.0 and "upper bound" in two.reason
     r.add_save(SaveSample("durable", 1.0, 0.0, 1, T0))
     got = choose_interval(measured_costs(r), est, AutopilotOptions(), local_tier=False)
-    assert got.delta_s == 1.0
+    assert got.delta_s == 1.0 and "upper bound" not in got.reason
     assert got.every_s == pytest.approx(math.sqrt(2 * 1.0 * 3600) + 1.0)
+    # the steady δ is half the bound's interval: beyond the threshold, it replaces it
+    assert settle_interval(boot, got, AutopilotOptions()) is got

@@ -1,0 +1,100 @@
+"""The autopilot's run-record writes, off the training loop.
+
+A sync save used to write the record (a PUT to the store) inside ``save()``, and an async
+one before its waiters woke: ~0.1 s per durable save through the goodput harness's
+``s3-like`` proxy, paid by every rank at the next collective. Here one daemon thread per
+process writes them. Each root keeps only its newest snapshot (a record is cumulative, so
+the newest supersedes every older one) and the thread writes one at a time, so two writes
+of one record never race. :meth:`RecordWrites.flush` waits for a root's pending write: the
+autopilot calls it before it reads a record (a second Checkpointer in this process reads
+what the first wrote) and at ``close()``; an interpreter exit flushes every root. A process
+killed with a write pending loses that write, as it would lose one in flight: the record is
+a measurement, and the next incarnation's write carries everything the store last held.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+__all__ = ["FLUSH_TIMEOUT_S", "RecordWrites", "record_writes"]
+
+logger = logging.getLogger(__name__)
+
+#: the longest a flush waits (a store that hangs must not hang ``close()`` or the exit)
+FLUSH_TIMEOUT_S = 120.0
+
+
+class RecordWrites:
+    """Newest-wins writes per key, by one daemon thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[str, Callable[[], object]] = {}
+        self._busy: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: str, write: Callable[[], object]) -> None:
+        """Run ``write`` in the background, replacing ``key``'s pending write if any."""
+        with self._cond:
+            self._pending[key] = write
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="dcp-volumes-record",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def flush(self, key: str | None = None, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until ``key``'s writes (None: every key's) are done; False on timeout."""
+        def idle() -> bool:
+            if key is None:
+                return not self._pending and not self._busy
+            return key not in self._pending and key not in self._busy
+
+        with self._cond:
+            if self._cond.wait_for(idle, timeout=timeout):
+                return True
+        logger.warning("autopilot: the run record's write did not finish in %.0f s (the store "
+                       "is slow or unreachable): going on without it", timeout)
+        return False
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending))
+                key = next(iter(self._pending))
+                write = self._pending.pop(key)
+                self._busy.add(key)
+            try:
+                write()
+            except Exception:  # a measurement's write never fails a save: logged, dropped
+                logger.warning("autopilot: the run record could not be written", exc_info=True)
+            finally:
+                with self._cond:
+                    self._busy.discard(key)
+                    self._cond.notify_all()
+
+
+_WRITES = RecordWrites()
+
+
+def record_writes() -> RecordWrites:
+    """This process's writer (a forked child gets a fresh one: the parent's thread is not
+    in it)."""
+    return _WRITES
+
+
+def _after_fork() -> None:
+    global _WRITES
+    _WRITES = RecordWrites()
+
+
+def _at_exit() -> None:
+    _WRITES.flush()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+atexit.register(_at_exit)
