@@ -125,7 +125,8 @@ class Autopilot:
         self._rank = dist.get_rank() if distributed else 0
         self._gpus = gpus = dist.get_world_size() if distributed else 1
         model = self.options.failure_model
-        self.prior = (FailurePrior.from_model(model, weight=self.options.prior_weight)
+        self.prior = (FailurePrior.from_model(model, weight=self.options.prior_weight,
+                                              trust=self.options.prior_trust)
                       if model is not None else default_prior(gpus,
                                                               weight=self.options.prior_weight))
         self._lock = threading.Lock()

@@ -96,6 +96,7 @@ def _plan(args: argparse.Namespace, gpus: int, costs: MeasuredCosts,
 def _summary(costs: MeasuredCosts, estimate: FailureEstimate,
              auto_every_s: float) -> list[tuple[str, str]]:
     from dcp_volumes.goodput import format_duration
+    from dcp_volumes.goodput._estimate import TRUSTED_PRIOR_WEIGHT
 
     prior = estimate.prior
     observed = estimate.observed_mttf_s
@@ -105,7 +106,10 @@ def _summary(costs: MeasuredCosts, estimate: FailureEstimate,
                       f"{costs.restart_s:.4g} s ({costs.restores} resumes); restart cost = "
                       "restart + U")),
         ("prior", (f"M₀ {format_duration(prior.mttf_s)} ({prior.source}), weighing "
-                   f"{prior.weight:g} interruption(s)")),
+                   + (f"{prior.weight:g} interruption(s)" if prior.trust == 0 else
+                      f"{prior.weight:g} interruption(s), {prior.trust:.0%} of it "
+                      f"{TRUSTED_PRIOR_WEIGHT:g} while the run agrees "
+                      f"(now {estimate.trusted_share:.0%})"))),
         ("evidence", (f"{estimate.interruptions} interruption(s) in "
                       f"{format_duration(estimate.exposure_s)} of running time"
                       + (f" (alone: M {format_duration(observed)})" if observed else ""))),

@@ -22,7 +22,12 @@ from typing import Any
 
 from dcp_volumes.errors import ConfigError
 from dcp_volumes.goodput._checks import MAX_DURATION_S, finite_or_none, positive
-from dcp_volumes.goodput._estimate import DEFAULT_PRIOR_WEIGHT, FailureEstimate
+from dcp_volumes.goodput._estimate import (
+    DEFAULT_PRIOR_TRUST,
+    DEFAULT_PRIOR_WEIGHT,
+    FailureEstimate,
+    check_trust,
+)
 from dcp_volumes.goodput._model import FailureModel, expected_goodput
 from dcp_volumes.goodput._record import RunRecord
 from dcp_volumes.goodput._two_level import TierCosts, two_level_intervals_s
@@ -43,7 +48,12 @@ class AutopilotOptions:
         failure_model: The prior failure rate (per-GPU AFR or fleet MTBF, as ``plan`` takes
             them); ``None``: the conservative default of
             :func:`~dcp_volumes.goodput.default_prior` for the run's world size.
-        prior_weight: How many observed interruptions the prior counts as.
+        prior_weight: How many observed interruptions the prior counts as (its light
+            half, for a given ``failure_model``).
+        prior_trust: A given ``failure_model``'s share in a weighty half (4 interruptions)
+            that keeps the estimate near it while the run agrees
+            (:mod:`dcp_volumes.goodput._estimate`); 0: the light prior alone. The default
+            prior is never trusted.
         min_interval_s: The fewest seconds between durable saves.
         max_interval_s: The most seconds between durable saves.
         change_threshold: A new interval replaces the current one only when it differs by
@@ -58,6 +68,7 @@ class AutopilotOptions:
 
     failure_model: FailureModel | None = None
     prior_weight: float = DEFAULT_PRIOR_WEIGHT
+    prior_trust: float = DEFAULT_PRIOR_TRUST
     min_interval_s: float = 1.0
     max_interval_s: float = 6 * 3600.0
     change_threshold: float = 0.1
@@ -69,6 +80,7 @@ class AutopilotOptions:
         if self.failure_model is not None and not isinstance(self.failure_model, FailureModel):
             raise ConfigError("failure_model must be a dcp_volumes.goodput.FailureModel or None")
         positive("prior_weight", self.prior_weight, at_most=1000.0)
+        check_trust(self.prior_trust)
         lo = positive("min_interval_s", self.min_interval_s, at_most=MAX_DURATION_S)
         hi = positive("max_interval_s", self.max_interval_s, at_most=MAX_DURATION_S)
         if lo > hi:

@@ -9,6 +9,7 @@ import random
 import statistics
 
 import pytest
+from _goodput_oracle import mixture_mttf
 
 from dcp_volumes.errors import ConfigError
 from dcp_volumes.goodput import (
@@ -35,12 +36,34 @@ T0 = 1.8e9  # a wall-clock time in 2027
 
 
 def test_gamma_poisson_closed_form() -> None:
-    prior = FailurePrior(mttf_s=1000.0, weight=0.25)
+    prior = FailurePrior(mttf_s=1000.0, weight=0.25, trust=0.0)  # the light half alone
     est = estimate_failures(prior, interruptions=2, exposure_s=500.0)
     assert est.mttf_s == pytest.approx((0.25 * 1000 + 500) / (0.25 + 2))
     assert est.observed_mttf_s == 250.0
     assert est.prior_share == pytest.approx(0.25 / 2.25)
+    assert est.trusted_share == 0.0
     assert estimate_failures(prior, interruptions=0, exposure_s=0.0).mttf_s == 1000.0
+
+
+def test_a_given_prior_is_trusted_while_the_run_agrees() -> None:
+    prior = FailurePrior(mttf_s=40.0)  # given: half weighing 4, half 0.25
+    assert prior.trust == 0.5
+    for n, t in [(0, 0.0), (0, 30.0), (2, 500.0), (3, 120.0)]:
+        est = estimate_failures(prior, interruptions=n, exposure_s=t)
+        assert est.mttf_s == pytest.approx(mixture_mttf(40.0, n, t))
+    # a lucky stretch of 30 s: the light half alone reads 40 + 30/0.25 = 160 s
+    lucky = estimate_failures(prior, interruptions=0, exposure_s=30.0)
+    assert 40.0 < lucky.mttf_s < 100.0 and lucky.trusted_share > 0.3
+    # the run contradicts it (failures 10x sooner than the prior): the light half takes over
+    burst = estimate_failures(FailurePrior(mttf_s=400.0), interruptions=8, exposure_s=320.0)
+    assert burst.trusted_share < 0.05
+    assert burst.mttf_s == pytest.approx((0.25 * 400 + 320) / 8.25, rel=0.05)
+    # the default prior is nobody's knowledge of this job: not trusted
+    assert default_prior(8).trust == 0.0
+    with pytest.raises(ConfigError):
+        FailurePrior(mttf_s=40.0, trust=1.0)
+    with pytest.raises(ConfigError):
+        AutopilotOptions(prior_trust=-0.1)
 
 
 def test_prior_from_a_failure_model_and_the_default() -> None:

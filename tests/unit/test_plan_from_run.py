@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from _cli import run_cli as _run
+from _goodput_oracle import mixture_mttf
 
 from dcp_volumes.goodput import (
     Incarnation,
@@ -43,12 +44,14 @@ def run_root(tmp_path: Path) -> str:
 
 
 def test_from_run_with_a_prior(run_root: str) -> None:
-    # prior: 1 failure every 1 h on the job's 4 GPUs, M0 = 3600 s, weight 0.25
+    # prior: 1 failure every 1 h on the job's 4 GPUs, M0 = 3600 s, half weighing 4 and half
+    # 0.25; 3 interruptions in 400 s contradict it: the light half's estimate, nearly
     proc = _run("plan", "--from-run", run_root, "--fleet-mtbf-hours", "1", "--fleet-gpus", "4",
                 "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    m = (0.25 * 3600 + 400) / (0.25 + 3)
+    m = mixture_mttf(3600.0, 3, 400.0)
+    assert m == pytest.approx((0.25 * 3600 + 400) / (0.25 + 3), rel=0.15)
     assert doc["mttf_hours"] == pytest.approx(m / 3600)
     assert doc["checkpoint_cost_s"] == 2.0
     assert doc["restart_cost_s"] == 30.0
