@@ -8,7 +8,7 @@ after ``n`` interruptions in ``T`` seconds: the autopilot's conjugate one with w
 same ``M₀`` (an informative one of weight 4 and a vague one of weight 0.25, half each a
 priori; the posterior mixes their means by how well each predicted the run's failures).
 ``--bootstrap-saves 2``: ``auto`` first saves twice back to back to measure ``δ``, as the
-autopilot does. Also: failures that land in a restart left uncounted (as before the run
+autopilot did before ``75164f9`` (since: once, ``--bootstrap-saves 1``). Also: failures that land in a restart left uncounted (as before the run
 record was written at construction)::
 
     python benchmarks/goodput_prior_weight.py --seeds 3000
@@ -37,27 +37,25 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from goodput_launch import failure_schedule  # type: ignore[import-not-found]
 
+from dcp_volumes.goodput import FailurePrior, estimate_failures
+
 Estimator = Callable[[float, int], float]  # (exposure T, interruptions n) -> M̂
 
 
+def estimator(m0: float, weight: float, trust: float) -> Estimator:
+    """The autopilot's own estimate (:func:`dcp_volumes.goodput.estimate_failures`) of a
+    prior ``M₀`` of this weight and trust (0: the conjugate ``(w·M₀ + T)/(w + n)``)."""
+    prior = FailurePrior(mttf_s=m0, weight=weight, trust=trust)
+    return lambda t, n: estimate_failures(prior, interruptions=n, exposure_s=t).mttf_s
+
+
 def conjugate(w: float, m0: float) -> Estimator:
-    return lambda t, n: (w * m0 + t) / (w + n)
+    return estimator(m0, w, 0.0)
 
 
-def robust(m0: float, parts: tuple[tuple[float, float], ...] = ((0.5, 4.0), (0.5, 0.25))
-           ) -> Estimator:
-    """A mixture of Gamma(w, w·M₀) priors (prior share, w): the posterior mean rate."""
-    def estimate(t: float, n: int) -> float:
-        logs, means = [], []
-        for share, w in parts:
-            b = w * m0
-            logs.append(math.log(share) + math.lgamma(w + n) - math.lgamma(w) + w * math.log(b)
-                        - (w + n) * math.log(b + t))
-            means.append((w + n) / (b + t))
-        top = max(logs)
-        odds = [math.exp(x - top) for x in logs]
-        return sum(odds) / sum(o * m for o, m in zip(odds, means))
-    return estimate
+def robust(m0: float) -> Estimator:
+    """A given prior since ``27b4b82``: half ``Gamma(4, 4·M₀)``, half ``Gamma(0.25, 0.25·M₀)``."""
+    return estimator(m0, 0.25, 0.5)
 
 
 def run(kills: list[float], args: argparse.Namespace, est: Estimator | None, *,
