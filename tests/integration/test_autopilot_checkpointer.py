@@ -201,13 +201,18 @@ def test_one_run_id_for_the_lease_and_the_record(tmp_path: Path,
     assert other.stats["costs"]["saves"] == 0  # another run's figures are not this one's
     assert any("another run" in r.message for r in caplog.records)
     other.close()
-    for _ in range(2):  # per-process run ids: the root is the run
+    saved: list[int] = []
+    for k in range(2):  # per-process run ids: the root is the run
         unnamed = _auto(root, clock)
         assert not unnamed.run.named
-        _train(unnamed, clock, 100, 5)
+        # the first saves at once; the second's first save waits an interval set by the
+        # measured δ, which 5 steps may not reach: its incarnation is its mark in the record
+        saved += _train(unnamed, clock, 100 + 10 * k, 5)  # steps of its own: no overwrite
         unnamed.close()
-    assert json.loads(_record(root, {}))["saves"]
-    assert _auto(root, clock).stats["costs"]["saves"] >= 2
+    doc = json.loads(_record(root, {}))
+    assert len(doc["incarnations"]) == 2 and all(i["closed"] for i in doc["incarnations"])
+    assert len(doc["saves"]) == len(saved) >= 1
+    assert _auto(root, clock).stats["costs"]["saves"] == len(saved)
 
 
 def test_an_incarnation_that_dies_before_its_first_save_is_counted(tmp_path: Path) -> None:
