@@ -6,11 +6,12 @@ The Checkpointer calls six hooks: :meth:`Autopilot.begin` (constructed: this inc
 recorded at once, so one that dies in its restart still counts), :meth:`Autopilot.track` (a
 save started; its completion is watched), :meth:`Autopilot.resumed` (``load_latest``
 returned), :meth:`Autopilot.policy` (before each decision: the cadences now),
-:meth:`Autopilot.flush` (``wait()``) and :meth:`Autopilot.closed`. A fixed cadence gets :meth:`Autopilot.off`, whose hooks do nothing.
-Nothing here fails a save or a resume: the record's problems are WARNINGs. Only the
-construction's write is made in the caller's thread (so an incarnation that dies in its
-restart is counted); the others are made in the background
-(:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its record.
+:meth:`Autopilot.flush` (``wait()``) and :meth:`Autopilot.closed`. A fixed cadence gets
+:meth:`Autopilot.off`, whose hooks do nothing. Nothing here fails a save or a resume: the
+record's problems are WARNINGs. Only the construction's write is made in the caller's thread
+(so an incarnation that dies in its restart is counted); the others are made in the
+background (:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its
+record.
 
 Clocks: every duration within this process (exposure, a save, a resume, the process's start
 to training) is measured on the monotonic clock. The record's timestamps are this

@@ -1,9 +1,9 @@
 """The autopilot's run-record writes, off the training loop.
 
 A sync save used to write the record (a PUT to the store) inside ``save()``, and an async
-one before its waiters woke: ~0.1 s per durable save through the goodput harness's
-``s3-like`` proxy, paid by every rank at the next collective. Here one daemon thread per
-process writes them. Each root keeps only its newest snapshot (a record is cumulative, so
+one before its waiters woke: a request's round trip on the training loop's path for a
+measurement (in the goodput harness it was within the noise of a 1.2 s save; on a distant
+store it is not). Here one daemon thread per process writes them. Each root keeps only its newest snapshot (a record is cumulative, so
 the newest supersedes every older one) and the thread writes one at a time, so two writes
 of one record never race. :meth:`RecordWrites.flush` waits for a root's pending write: the
 autopilot calls it before it reads a record (a second Checkpointer in this process reads
