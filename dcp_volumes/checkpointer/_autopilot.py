@@ -8,10 +8,15 @@ save started; its completion is watched), :meth:`Autopilot.resumed` (``load_late
 returned), :meth:`Autopilot.policy` (before each decision: the cadences now),
 :meth:`Autopilot.flush` (``wait()``) and :meth:`Autopilot.closed`. A fixed cadence gets
 :meth:`Autopilot.off`, whose hooks do nothing. Nothing here fails a save or a resume: the
-record's problems are WARNINGs. Only the construction's write is made in the caller's thread
-(so an incarnation that dies in its restart is counted); the others are made in the
-background (:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its
-record.
+record's problems are WARNINGs.
+
+Nothing here makes the caller wait for the store. The construction's read of the record and
+its write of this incarnation run on a thread of their own (rank 0), overlapping the
+restart's ``load_latest`` that follows; every later hook waits for that thread first, as of
+the construction's instant, so the result is the same as a synchronous begin (only the time
+differs: an incarnation killed in the first ~0.1 s of its restart, before that write lands,
+is not counted). The later writes go through the process's record writer
+(:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its record.
 
 Clocks: every duration within this process (exposure, a save, a resume, the process's start
 to training) is measured on the monotonic clock. The record's timestamps are this
@@ -136,6 +141,7 @@ class Autopilot:
                                          self._estimate(RunRecord(root="")), self.options,
                                          local_tier=local_tier)
         self._applied: AutoInterval | None = None
+        self._beginning: threading.Thread | None = None  # begin()'s read and write, rank 0
 
     @classmethod
     def create(cls, every_seconds: object, local_every_seconds: object,
@@ -172,13 +178,34 @@ class Autopilot:
         if not self.enabled:
             return
         self._run = run_id
-        self._begin()
-        self._update(write="now")
+        at = self._mono()  # the construction's instant, whenever the thread gets to run
+        if self._rank != 0:  # no I/O: the record is rank 0's
+            self._begin(at)
+            return
+
+        def _read_and_write() -> None:
+            try:
+                self._begin(at)
+            except Exception:  # a bug, not the store's (those are WARNINGs already)
+                logger.warning("autopilot: the run record could not be read at construction; "
+                               "reading it again at the first save or resume", exc_info=True)
+
+        self._beginning = threading.Thread(target=_read_and_write, daemon=True,
+                                           name="dcp-volumes-autopilot-begin")
+        self._beginning.start()
+
+    def _begun(self) -> None:
+        """Wait for :meth:`begin`'s thread: every hook sees the record as of the construction."""
+        thread = self._beginning
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+            self._beginning = None
 
     def policy(self, current: SavePolicy) -> SavePolicy:
         """``current`` with the cadences chosen now (the same object when unchanged)."""
         if not self.enabled:
             return current
+        self._begun()
         with self._lock:
             chosen = self._interval
         if chosen is self._applied:
@@ -230,7 +257,10 @@ class Autopilot:
     def closed(self) -> None:
         """``close()`` after the last save completed: a clean end, not an interruption --
         unless an exception is being handled (``with Checkpointer(...)`` unwinding)."""
-        if not self.enabled or self._record is None:
+        if not self.enabled:
+            return
+        self._begun()
+        if self._record is None:
             return
         if sys.exc_info()[1] is None:
             with self._lock:
@@ -241,45 +271,56 @@ class Autopilot:
     def flush(self) -> None:
         """Wait for the record's write in flight (``Checkpointer.wait()``)."""
         if self.enabled and self._rank == 0:
+            self._begun()
             record_writes().flush(self._root)
 
     # ---- internals -------------------------------------------------------------------------
-    def _begin(self) -> None:
-        """The first hook of this incarnation: read the record (rank 0), add this one."""
+    def _begin(self, at: float | None = None) -> None:
+        """Read the record and add this incarnation, as of monotonic ``at`` (default now);
+        rank 0 has it written. The first hook does it if :meth:`begin`'s thread could not."""
+        self._begun()
         if self._record is not None:
             return
-        record = None
         root = self._record_root()
         key = run_key(self._run, root)
-        if self._rank == 0:
-            record_writes().flush(self._root)  # a write of this process's earlier Checkpointer
+        if self._rank != 0:
+            self._add_incarnation(RunRecord(root=root, run_id=key), at)
+            self._update(write=None, at=at)
+            return
+        # after this process's earlier Checkpointers' writes; theirs never miss this one
+        with record_writes().turn(self._root):
             record = read_run_record(self._root, self._storage_options, self._retry, run=key)
-        if record is None:
-            record = RunRecord(root=root, run_id=key)
+            self._add_incarnation(record if record is not None
+                                  else RunRecord(root=root, run_id=key), at)
+            self._update(write="background", at=at)
+
+    def _add_incarnation(self, record: RunRecord, at: float | None) -> None:
         record.gpus = self._gpus
         if record.incarnations and record.incarnations[-1].last_seen > self._started:
-            self._start_after(record.incarnations[-1].last_seen)
-        now = self._now()
+            self._start_after(record.incarnations[-1].last_seen, at)
+        now = self._now(at)
         record.add_incarnation(Incarnation(self._started, max(now, self._started),
                                            interval_s=self._interval.every_s))
         with self._lock:
             self._record = record
 
-    def _now(self) -> float:
-        """Now for the record: this incarnation's wall-clock start plus monotonic time."""
-        return self._started + (self._mono() - self._started_mono)
+    def _now(self, at: float | None = None) -> float:
+        """Now (or monotonic ``at``) for the record: this incarnation's wall-clock start plus
+        monotonic time."""
+        return self._started + ((self._mono() if at is None else at) - self._started_mono)
 
-    def _start_after(self, last_seen: float) -> None:
+    def _start_after(self, last_seen: float, at: float | None) -> None:
         """The previous incarnation was last seen after this one started: a second
         Checkpointer in this process (it starts now, not with the process), or a wall clock
         stepped back between two processes (it starts at that last sign of life: a gap
         between incarnations is never negative)."""
-        now = self._now()
+        now = self._now(at)
         if now < last_seen:
             logger.warning("autopilot: the run record's previous incarnation was last seen "
                            "%.3g s after now (a wall-clock step, or another host's clock): "
                            "this incarnation is taken to start then", last_seen - now)
-        self._started, self._started_mono = max(now, last_seen), self._mono()
+        self._started = max(now, last_seen)
+        self._started_mono = self._mono() if at is None else at
 
     def _record_root(self) -> str:
         try:
@@ -297,21 +338,22 @@ class Autopilot:
                                              self._now(), first=self._saves_seen == 1))
         self._update(write="background" if kind == "durable" else None)
 
-    def _estimate(self, record: RunRecord) -> Any:
-        n, exposure = record.evidence(self._now())
+    def _estimate(self, record: RunRecord, at: float | None = None) -> Any:
+        n, exposure = record.evidence(self._now(at))
         return estimate_failures(self.prior, interruptions=n, exposure_s=exposure)
 
-    def _update(self, *, write: Literal["now", "background"] | None) -> None:
-        """Recompute the cadences from the record; rank 0 writes the record when asked, now
-        or in the background."""
+    def _update(self, *, write: Literal["background"] | None,
+                at: float | None = None) -> None:
+        """Recompute the cadences from the record (as of monotonic ``at``, default now);
+        rank 0 has the record written in the background when asked."""
         with self._lock:
             record = self._record
             assert record is not None
             inc = record.incarnations[-1]
-            inc.last_seen = max(inc.last_seen, self._now())
+            inc.last_seen = max(inc.last_seen, self._now(at))
             inc.interval_s = self._interval.every_s
             new = choose_interval(measured_costs(record, self.options.window),
-                                  self._estimate(record), self.options,
+                                  self._estimate(record, at), self.options,
                                   local_tier=self._local_tier)
             chosen = settle_interval(self._interval, new, self.options)
             changed, self._interval = chosen is not self._interval, chosen
@@ -325,11 +367,7 @@ class Autopilot:
         def _write() -> None:
             write_run_record(self._root, self._storage_options, self._retry, snapshot)
 
-        if write == "now":
-            record_writes().flush(self._root)  # never overtaken by an older snapshot
-            _write()
-        else:
-            record_writes().submit(self._root, _write)
+        record_writes().submit(self._root, _write)  # the newest snapshot of the root wins
 
     def _log(self, chosen: AutoInterval) -> None:
         local = ("" if chosen.local_every_s is None
@@ -344,6 +382,7 @@ class Autopilot:
         """The current cadences and why, the measured costs, the failure estimate."""
         if not self.enabled:
             return {}
+        self._begun()
         with self._lock:
             record = self._record or RunRecord(root="")
             estimate = self._estimate(record)

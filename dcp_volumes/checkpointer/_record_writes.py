@@ -5,9 +5,11 @@ one before its waiters woke: a request's round trip on the training loop's path 
 measurement (in the goodput harness it was within the noise of a 1.2 s save; on a distant
 store it is not). Here one daemon thread per process writes them. Each root keeps only its newest snapshot (a record is cumulative, so
 the newest supersedes every older one) and the thread writes one at a time, so two writes
-of one record never race. :meth:`RecordWrites.flush` waits for a root's pending write: the
-autopilot calls it before it reads a record (a second Checkpointer in this process reads
-what the first wrote) and at ``close()``; an interpreter exit flushes every root. A process
+of one record never race. :meth:`RecordWrites.flush` waits for a root's pending write (at
+``close()``; an interpreter exit flushes every root). :meth:`RecordWrites.turn` holds a root
+while a Checkpointer reads its record and submits it back with its own incarnation added:
+it waits for the root's writes and other turns first, so a second Checkpointer in this
+process reads what the first wrote, and the first's read never misses the second's. A process
 killed with a write pending loses that write, as it would lose one in flight: the record is
 a measurement, and the next incarnation's write carries everything the store last held.
 """
@@ -15,10 +17,11 @@ a measurement, and the next incarnation's write carries everything the store las
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 __all__ = ["FLUSH_TIMEOUT_S", "RecordWrites", "record_writes"]
 
@@ -35,6 +38,7 @@ class RecordWrites:
         self._cond = threading.Condition()
         self._pending: dict[str, Callable[[], object]] = {}
         self._busy: set[str] = set()
+        self._turns: set[str] = set()  # keys whose record a turn is reading and resubmitting
         self._thread: threading.Thread | None = None
 
     def submit(self, key: str, write: Callable[[], object]) -> None:
@@ -47,19 +51,37 @@ class RecordWrites:
                 self._thread.start()
             self._cond.notify_all()
 
-    def flush(self, key: str | None = None, timeout: float = FLUSH_TIMEOUT_S) -> bool:
-        """Wait until ``key``'s writes (None: every key's) are done; False on timeout."""
-        def idle() -> bool:
-            if key is None:
-                return not self._pending and not self._busy
-            return key not in self._pending and key not in self._busy
+    def _idle(self, key: str | None) -> bool:
+        if key is None:
+            return not self._pending and not self._busy and not self._turns
+        return key not in self._pending and key not in self._busy and key not in self._turns
 
+    def flush(self, key: str | None = None, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until ``key``'s writes and turns (None: every key's) are done; False on
+        timeout."""
         with self._cond:
-            if self._cond.wait_for(idle, timeout=timeout):
+            if self._cond.wait_for(lambda: self._idle(key), timeout=timeout):
                 return True
         logger.warning("autopilot: the run record's write did not finish in %.0f s (the store "
                        "is slow or unreachable): going on without it", timeout)
         return False
+
+    @contextlib.contextmanager
+    def turn(self, key: str, timeout: float = FLUSH_TIMEOUT_S) -> Iterator[None]:
+        """Hold ``key`` for a read of its record and the :meth:`submit` of what was read
+        plus this process's news: first wait (at most ``timeout``) until no write or other
+        turn of ``key`` is pending or running; :meth:`flush` waits for the turn."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._idle(key), timeout=timeout):
+                logger.warning("autopilot: the run record's write did not finish in %.0f s "
+                               "(the store is slow or unreachable): reading it anyway", timeout)
+            self._turns.add(key)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._turns.discard(key)
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:

@@ -6,7 +6,9 @@ as the store, no sleeps."""
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ import pytest
 from _goodput_oracle import mixture_mttf
 
 from dcp_volumes.checkpointer._autopilot import Autopilot
+from dcp_volumes.checkpointer._record_writes import record_writes
 from dcp_volumes.goodput import AutopilotOptions, FailureModel
+from dcp_volumes.goodput._record import RECORD_NAME
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -136,3 +140,36 @@ def test_a_launchers_start_from_another_clock_is_bounded(
     days.resumed(clocks.mono(), 1, None, False)
     assert days.stats()["costs"]["restart_s"] == pytest.approx(3600.0)
     assert sum("outside [0, 3.6e+03] s" in r.message for r in caplog.records) == 2
+
+
+def test_the_construction_does_not_wait_for_the_store(tmp_path: Path) -> None:
+    """The construction's read of the record and its write of this incarnation run on a
+    thread of their own (a restart's ``load_latest`` overlaps them): ``begin`` returns while
+    the read is held up, and the record still says what it would have at the construction's
+    instant, whenever the read ran."""
+    clocks, run = Clocks(), tmp_path / "run"
+    first = _pilot(run, clocks, age_s=1.0)
+    _train_and_save(first, clocks, 3)
+    first.flush()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # as a write of this root in flight would
+        with record_writes().turn(str(run)):
+            held.set()
+            assert release.wait(30.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30.0)
+    clocks.advance(4.0)
+    second = _pilot(run, clocks, age_s=2.0)  # returns with its read held up
+    assert len(json.loads((run / RECORD_NAME).read_bytes())["incarnations"]) == 1
+    clocks.advance(50.0)  # the read runs 50 s later
+    release.set()
+    holder.join(30.0)
+    second.flush()
+    doc = json.loads((run / RECORD_NAME).read_bytes())
+    assert len(doc["incarnations"]) == 2
+    inc = doc["incarnations"][-1]
+    assert inc["last_seen"] - inc["started"] == pytest.approx(2.0)  # as of the construction
+    assert second.stats()["failures"]["interruptions"] == 1

@@ -50,3 +50,50 @@ def test_a_failed_write_is_a_warning_and_the_next_one_is_written(
     assert writes.flush("a", timeout=WAIT_S) and done == [1]
     assert any(r.levelno == logging.WARNING and "could not be written" in r.message
                for r in caplog.records)
+
+
+def test_a_turn_waits_for_the_keys_writes_and_turns_and_a_flush_waits_for_it() -> None:
+    """A Checkpointer's read of the record and its resubmission are one turn: it starts after
+    the root's pending write (a second Checkpointer reads what the first wrote) and another
+    turn of the root waits for it (the first's read never misses the second's news)."""
+    writes = RecordWrites()
+    release, started, entered = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow() -> None:
+        started.set()
+        assert release.wait(WAIT_S)
+        order.append("write")
+
+    writes.submit("a", slow)
+    assert started.wait(WAIT_S)
+
+    def reader() -> None:
+        with writes.turn("a"):
+            order.append("turn 1")
+            entered.set()
+            assert release_turn.wait(WAIT_S)
+            writes.submit("a", lambda: order.append("turn 1's write"))
+
+    release_turn = threading.Event()
+    first = threading.Thread(target=reader)
+    first.start()
+    assert not entered.wait(0.05)  # the write is in flight: the turn waits for it
+    release.set()
+    assert entered.wait(WAIT_S) and order == ["write", "turn 1"]
+    with writes.turn("b"):  # another key is not held up
+        order.append("turn b")
+    assert not writes.flush("a", timeout=0.05)  # the turn holds "a"
+    second_done = threading.Event()
+
+    def second() -> None:
+        with writes.turn("a"):
+            order.append("turn 2")
+        second_done.set()
+
+    threading.Thread(target=second).start()
+    assert not second_done.wait(0.05)  # waits for turn 1 and the write it submits
+    release_turn.set()
+    first.join(WAIT_S)
+    assert second_done.wait(WAIT_S) and writes.flush("a", timeout=WAIT_S)
+    assert order == ["write", "turn 1", "turn b", "turn 1's write", "turn 2"]
