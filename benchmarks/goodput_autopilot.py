@@ -215,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(fixed-frequent, fixed-young, fixed-rare, auto); default all")
     p.add_argument("--first-seed", type=int, default=1, help="seeds first-seed .. "
                    "first-seed + seeds - 1 (new seeds draw new failure times)")
+    p.add_argument("--rotate", type=int, default=0, help="start each seed's rotation of the "
+                   "configurations this many places later: two harnesses at once with "
+                   "--rotate 0 and 1 run different configurations side by side (with the same "
+                   "rotation, seeds of one parity run the same configuration at the same time, "
+                   "so each contends with its own kind)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "goodput-autopilot.jsonl"))
     p.add_argument("--reprocess", metavar="JSONL", help="recompute the measurements and "
                    "predictions of a results file from its runs' events files, rewrite it, "
@@ -251,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             cfgs = [c for c in configurations(delta, args.mttf)
                     if wanted is None or c["name"] in wanted]
             kills_at = failure_schedule(seed, args.budget, args.mttf)
-            for cfg in cfgs[seed % len(cfgs):] + cfgs[:seed % len(cfgs)]:
+            first = (seed + args.rotate) % len(cfgs)
+            for cfg in cfgs[first:] + cfgs[:first]:
                 row = run_once(args, cfg, seed, store, args.budget, kills_at, spares)
                 emit(with_predictions({**row, "section": "run", "mttf_s": args.mttf,
                                        "step_time_s": args.step_time,

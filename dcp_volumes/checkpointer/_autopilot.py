@@ -190,9 +190,8 @@ class Autopilot:
                 logger.warning("autopilot: the run record could not be read at construction; "
                                "reading it again at the first save or resume", exc_info=True)
 
-        self._beginning = threading.Thread(target=_read_and_write, daemon=True,
-                                           name="dcp-volumes-autopilot-begin")
-        self._beginning.start()
+        # an exit (without close()) waits for it: this incarnation is in the record
+        self._beginning = record_writes().start(_read_and_write, "dcp-volumes-autopilot-begin")
 
     def _begun(self) -> None:
         """Wait for :meth:`begin`'s thread: every hook sees the record as of the construction."""

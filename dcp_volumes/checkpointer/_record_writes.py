@@ -9,7 +9,9 @@ of one record never race. :meth:`RecordWrites.flush` waits for a root's pending 
 ``close()``; an interpreter exit flushes every root). :meth:`RecordWrites.turn` holds a root
 while a Checkpointer reads its record and submits it back with its own incarnation added:
 it waits for the root's writes and other turns first, so a second Checkpointer in this
-process reads what the first wrote, and the first's read never misses the second's. A process
+process reads what the first wrote, and the first's read never misses the second's.
+:meth:`RecordWrites.start` runs such a turn on a thread of its own (a Checkpointer's
+construction does not wait for the store); an exit waits for those threads too. A process
 killed with a write pending loses that write, as it would lose one in flight: the record is
 a measurement, and the next incarnation's write carries everything the store last held.
 """
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 __all__ = ["FLUSH_TIMEOUT_S", "RecordWrites", "record_writes"]
@@ -39,6 +42,7 @@ class RecordWrites:
         self._pending: dict[str, Callable[[], object]] = {}
         self._busy: set[str] = set()
         self._turns: set[str] = set()  # keys whose record a turn is reading and resubmitting
+        self._started: set[threading.Thread] = set()  # start()'s threads still running
         self._thread: threading.Thread | None = None
 
     def submit(self, key: str, write: Callable[[], object]) -> None:
@@ -83,6 +87,32 @@ class RecordWrites:
                 self._turns.discard(key)
                 self._cond.notify_all()
 
+    def start(self, work: Callable[[], object], name: str) -> threading.Thread:
+        """Run ``work`` (which takes its turns itself) on a daemon thread of its own, one
+        that :meth:`flush_at_exit` waits for."""
+        def run() -> None:
+            try:
+                work()
+            finally:
+                with self._cond:
+                    self._started.discard(thread)
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._cond:
+            self._started.add(thread)
+        thread.start()
+        return thread
+
+    def flush_at_exit(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait for :meth:`start`'s threads, then for every write: at most ``timeout`` in
+        all."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            threads = list(self._started)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return self.flush(timeout=max(0.0, deadline - time.monotonic()))
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -115,7 +145,7 @@ def _after_fork() -> None:
 
 
 def _at_exit() -> None:
-    _WRITES.flush()
+    _WRITES.flush_at_exit()
 
 
 os.register_at_fork(after_in_child=_after_fork)

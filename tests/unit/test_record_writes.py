@@ -97,3 +97,23 @@ def test_a_turn_waits_for_the_keys_writes_and_turns_and_a_flush_waits_for_it() -
     first.join(WAIT_S)
     assert second_done.wait(WAIT_S) and writes.flush("a", timeout=WAIT_S)
     assert order == ["write", "turn 1", "turn b", "turn 1's write", "turn 2"]
+
+
+def test_an_exit_waits_for_a_started_turn_and_the_write_it_submits() -> None:
+    """A Checkpointer's construction reads and resubmits its record on a thread of its own
+    (:meth:`RecordWrites.start`): an exit without ``close()`` waits for that thread and its
+    write, so the incarnation is recorded; a store that hangs bounds the wait."""
+    writes = RecordWrites()
+    release = threading.Event()
+    done: list[str] = []
+
+    def begin() -> None:
+        with writes.turn("a"):
+            assert release.wait(WAIT_S)
+            writes.submit("a", lambda: done.append("incarnation"))
+
+    thread = writes.start(begin, "test-begin")
+    assert not writes.flush_at_exit(timeout=0.05) and done == []  # held: the wait is bounded
+    release.set()
+    assert writes.flush_at_exit(timeout=WAIT_S) and done == ["incarnation"]
+    assert not thread.is_alive()
