@@ -41,7 +41,7 @@ class RecordWrites:
         self._cond = threading.Condition()
         self._pending: dict[str, Callable[[], object]] = {}
         self._busy: set[str] = set()
-        self._turns: set[str] = set()  # keys whose record a turn is reading and resubmitting
+        self._turns: dict[str, int] = {}  # keys whose record turns are reading: how many
         self._started: set[threading.Thread] = set()  # start()'s threads still running
         self._thread: threading.Thread | None = None
 
@@ -79,12 +79,14 @@ class RecordWrites:
             if not self._cond.wait_for(lambda: self._idle(key), timeout=timeout):
                 logger.warning("autopilot: the run record's write did not finish in %.0f s "
                                "(the store is slow or unreachable): reading it anyway", timeout)
-            self._turns.add(key)
+            self._turns[key] = self._turns.get(key, 0) + 1  # 2 only after a timed-out wait
         try:
             yield
         finally:
             with self._cond:
-                self._turns.discard(key)
+                self._turns[key] -= 1
+                if not self._turns[key]:
+                    del self._turns[key]
                 self._cond.notify_all()
 
     def start(self, work: Callable[[], object], name: str) -> threading.Thread:

@@ -117,3 +117,27 @@ def test_an_exit_waits_for_a_started_turn_and_the_write_it_submits() -> None:
     release.set()
     assert writes.flush_at_exit(timeout=WAIT_S) and done == ["incarnation"]
     assert not thread.is_alive()
+
+
+def test_a_turn_that_stops_waiting_is_still_held_after_the_first_ends(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A store that hangs: a second turn stops waiting after its timeout (a WARNING) and
+    reads anyway; when the first turn ends, the second still holds the key."""
+    writes = RecordWrites()
+    held, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with writes.turn("a"):
+            held.set()
+            assert release.wait(WAIT_S)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert held.wait(WAIT_S)
+    caplog.set_level(logging.WARNING)
+    with writes.turn("a", timeout=0.05):
+        assert any("reading it anyway" in r.message for r in caplog.records)
+        release.set()
+        thread.join(WAIT_S)
+        assert not writes.flush("a", timeout=0.05)  # this turn still holds it
+    assert writes.flush("a", timeout=WAIT_S)
