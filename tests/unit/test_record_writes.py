@@ -14,18 +14,25 @@ from dcp_volumes.checkpointer._record_writes import RecordWrites
 WAIT_S = 30.0
 
 
-def test_a_slow_write_blocks_neither_submit_nor_other_keys_and_the_newest_wins() -> None:
-    writes = RecordWrites()
+def _held_write(writes: RecordWrites, key: str, done: list[str], name: str) -> threading.Event:
+    """Submit a write of ``key`` that is in flight when this returns and appends ``name`` to
+    ``done`` once the returned Event is set."""
     release, started = threading.Event(), threading.Event()
-    done: list[str] = []
 
     def slow() -> None:
         started.set()
         assert release.wait(WAIT_S)
-        done.append("a1")
+        done.append(name)
 
-    writes.submit("a", slow)
-    assert started.wait(WAIT_S)  # a1 is in flight and blocked
+    writes.submit(key, slow)
+    assert started.wait(WAIT_S)
+    return release
+
+
+def test_a_slow_write_blocks_neither_submit_nor_other_keys_and_the_newest_wins() -> None:
+    writes = RecordWrites()
+    done: list[str] = []
+    release = _held_write(writes, "a", done, "a1")  # a1 is in flight and blocked
     for name in ("a2", "a3"):  # returns at once; a3 replaces a2 while a1 is in flight
         writes.submit("a", lambda name=name: done.append(name))  # type: ignore[misc]
     assert not writes.flush("a", timeout=0.05)  # a1 still holds it: not flushed
@@ -57,16 +64,9 @@ def test_a_turn_waits_for_the_keys_writes_and_turns_and_a_flush_waits_for_it() -
     the root's pending write (a second Checkpointer reads what the first wrote) and another
     turn of the root waits for it (the first's read never misses the second's news)."""
     writes = RecordWrites()
-    release, started, entered = threading.Event(), threading.Event(), threading.Event()
+    entered = threading.Event()
     order: list[str] = []
-
-    def slow() -> None:
-        started.set()
-        assert release.wait(WAIT_S)
-        order.append("write")
-
-    writes.submit("a", slow)
-    assert started.wait(WAIT_S)
+    release = _held_write(writes, "a", order, "write")
 
     def reader() -> None:
         with writes.turn("a"):
