@@ -15,11 +15,16 @@ number of dimensions, cover as many elements as the tensor has, and each have a 
 location; a non-tensor item has one; every stored location has a non-negative offset and
 length. DCP's default planner checks the shape against the caller's own tensor, so a chunk
 inside it is no larger than what the caller allocated.
+
+What it cannot check, the stored bytes, is checked where they are read: the loader compares
+a chunk stored whole (a ``torch.save``) with its dtype and with the shape
+:func:`chunk_shapes` gives it (``dcp_volumes.loading.apply``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_volumes import errors
 
-__all__ = ["MAX_DIMS", "check_metadata", "check_tensor_item"]
+__all__ = ["MAX_DIMS", "check_metadata", "check_tensor_item", "chunk_shapes"]
 
 #: the most dimensions a tensor may have (torch's own limit is 64)
 MAX_DIMS = 64
@@ -127,3 +132,20 @@ def check_tensor_item(fqn: str, md: TensorStorageMetadata, located: set[tuple[st
     if volume != numel:
         raise _bad(where, f"the chunks of tensor {name} hold {volume} elements, its shape "
                           f"{tuple(size)} has {numel}")
+
+
+def chunk_shapes(metadata: Any, fqns: Iterable[str]
+                 ) -> dict[tuple[str, tuple[int, ...]], tuple[int, ...]]:
+    """The shape of every chunk of the tensors ``fqns``, keyed by ``(fqn, offsets)`` (a
+    checked ``Metadata``; anything else gives none): one pass per call, so a rank reading
+    every chunk of a tensor sharded a thousand ways does not search its chunks per read."""
+    items = getattr(metadata, "state_dict_metadata", None)
+    out: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    if not isinstance(items, dict):
+        return out
+    for fqn in fqns:
+        md = items.get(fqn)
+        if type(md) is TensorStorageMetadata:
+            for chunk in md.chunks:
+                out[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
+    return out

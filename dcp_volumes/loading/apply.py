@@ -34,14 +34,16 @@ def apply_need(need: Need, chunk: memoryview, planner: LoadPlanner,
     top of what torch's weights-only unpickler allows.
     """
     if need.first_block is None:
+        what = f"{describe(need.reads[0])} in shard {need.relative}"
         if need.transforms:
-            what = f"{describe(need.reads[0])} in shard {need.relative}"
             chunk = transforms.decode(need.transforms, chunk, limit=need.decoded_limit,
                                       what=what, registry=need.registry)
             transforms.check_zip_crcs(chunk, what)
+        else:
+            transforms.check_untransformed(chunk, what)
         for read in need.reads:
             _apply_item(read, chunk, planner, trusted, decoded=bool(need.transforms),
-                        dtype=need.dtype)
+                        dtype=need.dtype, shape=need.shape)
         return
     entry = cast(ItemEntry, need.entry)
     dtype = getattr(torch, entry.dtype)
@@ -108,10 +110,13 @@ def _name_of(obj: Any) -> str:
 
 def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
                 trusted: Sequence[Any], *, decoded: bool = False,
-                dtype: torch.dtype | None = None) -> None:
+                dtype: torch.dtype | None = None,
+                shape: tuple[int, ...] | None = None) -> None:
     """Deserialize one whole stored item exactly as torch's FileSystemReader does.
     ``decoded``: the bytes were decoded from a stream transform, so one that is not a
-    readable tensor is damaged data (an ``IntegrityError``), not a format torch rejects."""
+    readable tensor is damaged data (an ``IntegrityError``), not a format torch rejects.
+    ``dtype`` / ``shape``: the stored chunk's, as ``.metadata`` records them (None: not
+    known), which the unpickled tensor must have."""
     if read.type == LoadItemType.BYTE_IO:
         check_object_item(read, chunk, trusted)
         planner.load_bytes(read, io.BytesIO(chunk))
@@ -131,7 +136,26 @@ def _apply_item(read: ReadItem, chunk: memoryview, planner: LoadPlanner,
         raise errors.IntegrityError(
             f"{describe(read)}: .metadata says dtype {dtype}, the stored item holds "
             f"{tensor.dtype}: the checkpoint was damaged or crafted; refusing to load it")
+    _check_shape(read, tensor, shape)
     _copy_into(read, narrow_tensor_by_index(tensor, read.storage_offsets, read.lengths), planner)
+
+
+def _check_shape(read: ReadItem, tensor: torch.Tensor, shape: tuple[int, ...] | None) -> None:
+    """The unpickled chunk must have the shape ``.metadata`` gives it (or, not known, hold
+    the read): a claim that does not match would narrow it out of range (torch's
+    ``IndexError``) or load part of a larger tensor as the whole."""
+    held = tuple(tensor.shape)
+    if shape is not None:
+        fits = held == shape
+    else:
+        fits = len(held) == len(read.storage_offsets) and all(
+            o + n <= d for o, n, d in zip(read.storage_offsets, read.lengths, held))
+    if not fits:
+        claimed = shape if shape is not None else tuple(read.lengths)
+        raise errors.IntegrityError(
+            f"{describe(read)}: .metadata says its stored chunk has shape {claimed}, the "
+            f"stored item holds a tensor of shape {held}: the checkpoint was damaged or "
+            "crafted; refusing to load it")
 
 
 @dataclass(frozen=True)

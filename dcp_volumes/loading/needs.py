@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import ItemEntry, Manifest, item_dtype
+from dcp_volumes._metacheck import chunk_shapes
 from dcp_volumes.transfer import transforms
 from dcp_volumes.transfer.download import RangeRequest
 
@@ -51,6 +52,8 @@ class Need:
     decoded_limit: int = 0
     #: the item's dtype as ``.metadata`` and the manifest record it (a tensor item)
     dtype: torch.dtype | None = None
+    #: the stored chunk's shape as ``.metadata`` records it (a tensor item)
+    shape: tuple[int, ...] | None = None
     #: torch's ``ExtensionRegistry`` that decodes custom ``transforms`` (None: zstd only)
     registry: Any = None
 
@@ -94,6 +97,7 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
             decoded here (before any byte is fetched).
     """
     by_item, infos = _by_item(reads, storage_data)
+    shapes = chunk_shapes(metadata, {r.storage_index.fqn for r in reads})
     needs = []
     for (relative, offset), item_reads in by_item.items():
         length = int(infos[(relative, offset)].length)
@@ -109,6 +113,7 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
         else:
             need = _need_for(relative, offset, length, item_reads, entry)
         need.dtype = dtype
+        need.shape = shapes.get((index.fqn, tuple(index.offset or ())))
         needs.append(need)
     return needs
 

@@ -23,6 +23,9 @@ in the order listed. Here:
   stopped past the same bound. The decoded item is a ``torch.save`` zip, whose
   per-record CRC-32 (written by torch by default) is checked (:func:`check_zip_crcs`):
   torch's own zip reader does not check it, and torch's zstd frames carry no checksum.
+- :func:`check_untransformed` refuses an item whose ``.metadata`` records no transform
+  (``None`` or an empty list) while its bytes are a zstd frame: its descriptors are missing,
+  which torch's unpickler would report as "Unsupported operand 181" (the frame's second byte).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from typing import Any
 from dcp_volumes import errors
 from dcp_volumes.transfer._zstd import decode_zstd, zstd_module
 
-__all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "READER_HOW", "TENSOR_OVERHEAD", "check_transforms",
-           "check_zip_crcs", "checked_registry", "decode", "decode_bound", "decoded_limit"]
+__all__ = ["MAX_OBJECT_BYTES", "MAX_RATIO", "READER_HOW", "TENSOR_OVERHEAD", "ZSTD_MAGIC",
+           "check_transforms", "check_untransformed", "check_zip_crcs", "checked_registry",
+           "decode", "decode_bound", "decoded_limit"]
 
 #: the most a non-tensor item may decode to (DCP's pickled objects: configs, RNG and
 #: dataloader state, optimizer param groups)
@@ -51,6 +55,8 @@ TENSOR_OVERHEAD = 64 * 2**10
 MAX_RATIO = 32768
 
 _ZSTD = "stream.zstd"
+#: the first bytes of every zstd frame (its magic number, 0xFD2FB528 little-endian)
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def _parse(descriptor: object, what: str) -> tuple[str, str]:
@@ -207,6 +213,24 @@ def _custom(extension: Any, data: memoryview, limit: int, what: str, descriptor:
             "metadata and its stored size allow: the stored bytes are damaged or crafted; "
             "refusing to decode it")
     return bytes(out)
+
+
+def check_untransformed(data: memoryview, what: str) -> None:
+    """Refuse a whole stored item that ``.metadata`` records as written without a stream
+    transform when its bytes are a zstd frame. Such an item is a ``torch.save`` zip (or a
+    legacy pickle) unless it went through torch's ZStandard extension, so its
+    ``transform_descriptors`` were lost (``None`` or an empty list, which torch never
+    writes for a transformed item).
+
+    Raises:
+        IntegrityError: the bytes start with :data:`ZSTD_MAGIC`.
+    """
+    if bytes(data[:4]) == ZSTD_MAGIC:
+        raise errors.IntegrityError(
+            f"{what} is stored compressed (a zstd frame, as torch's ZStandard extension "
+            "writes), but .metadata records no stream transform for it: its "
+            "transform_descriptors are missing. The .metadata is damaged or crafted; load an "
+            "earlier checkpoint, or save this one again")
 
 
 _LOCAL = struct.Struct("<4s5H3L2H")  # a zip local file header (30 bytes)

@@ -6,7 +6,10 @@ reader's back (``.metadata`` re-pickled, the manifest rewritten, a FIFO put in a
 and loaded through ``dcp_volumes.load``; safetensors headers and zstd frames go through the
 functions that parse them. Before these fixes each row raised a builtin (``KeyError``,
 ``IndexError``, ``ValueError``, ``RecursionError``, ``MemoryError``), hung, or loaded wrong
-values with ``verified=True``.
+values with ``verified=True``. Issue 37, finding 7 added rows: a ``.metadata`` shape that
+does not match the stored chunk (was ``IndexError: Dimension out of range``, or the first
+elements of a larger tensor loaded as the whole), and a compressed item whose
+``transform_descriptors`` are empty or gone (was torch's "Unsupported operand 181").
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import threading
@@ -26,7 +30,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcp_volumes
 from dcp_volumes import SafetensorsReader, VolumeReader, errors
@@ -102,6 +109,36 @@ def _manifest_shape(path: Path) -> None:
     manifest.write_text(json.dumps(doc))
 
 
+def _reshaped(size: list[int], offsets: list[int]) -> Callable[[Any], None]:
+    """Item "small" (stored whole as a ``torch.save`` of shape [4]) claimed as ``size``, in
+    one chunk at ``offsets``, its stored location re-keyed to match: every number in
+    ``.metadata`` agrees; only the stored tensor does not."""
+    def change(md: Any) -> None:
+        item = md.state_dict_metadata["small"]
+        item.size = torch.Size(size)
+        item.chunks[0].offsets, item.chunks[0].sizes = torch.Size(offsets), torch.Size(size)
+        (index,) = [i for i in md.storage_data if i.fqn == "small"]
+        md.storage_data[MetadataIndex("small", torch.Size(offsets))] = md.storage_data.pop(index)
+    return change
+
+
+def _compressed(fqn: str, descriptors: list[str] | None) -> Callable[[Path], None]:
+    """The state saved by torch's writer with its ZStandard extension instead, then
+    ``fqn``'s ``transform_descriptors`` set to ``descriptors`` (torch writes None only when
+    no transform was applied)."""
+    def craft(path: Path) -> None:
+        shutil.rmtree(path)
+        dcp.save(_state(), storage_writer=FileSystemWriter(str(path), _extensions=[ZStandard()]),
+                 no_dist=True)
+
+        def change(md: Any) -> None:
+            for index, info in md.storage_data.items():
+                if index.fqn == fqn:
+                    info.transform_descriptors = descriptors
+        _metadata(change)(path)
+    return craft
+
+
 def _fifo(pattern: str) -> Callable[[Path], None]:
     def craft(path: Path) -> None:
         (victim,) = path.glob(pattern)
@@ -140,6 +177,29 @@ LOADS: dict[str, tuple[Callable[[Path], None], type[errors.DCPVolumesError]]] = 
     "fifo-manifest": (_fifo(".dcpv-manifest-*"), errors.UnsafeCheckpointError),
     # shard sizes come from the manifest (one commit read per job), so the FIFO is opened
     "fifo-shard": (_fifo("__0_0-*.distcp"), errors.UnsafeCheckpointError),
+    # issue 37, finding 7: a shape that does not match the stored chunk (the caller's tensor
+    # has the claimed shape, so torch's planner lets it through)
+    "shape-[2,2]-stored-[4]": (_metadata(_reshaped([2, 2], [0, 0])), errors.IntegrityError),
+    "shape-[2]-stored-[4]": (_metadata(_reshaped([2], [0])), errors.IntegrityError),
+    # issue 37, finding 7: a compressed item whose descriptors are empty or gone
+    "descriptors-empty-tensor": (_compressed("small", []), errors.IntegrityError),
+    "descriptors-empty-object": (_compressed("obj.step", []), errors.IntegrityError),
+    "descriptors-gone-tensor": (_compressed("big", None), errors.IntegrityError),
+}
+
+#: what a row's message must say, where the class alone does not tell the cause
+MESSAGES = {
+    "shape-[2,2]-stored-[4]": r"shape \(4,\)",
+    "shape-[2]-stored-[4]": r"shape \(4,\)",
+    "descriptors-empty-tensor": "descriptors are missing",
+    "descriptors-empty-object": "descriptors are missing",
+    "descriptors-gone-tensor": "descriptors are missing",
+}
+
+#: the caller's state for rows that claim another shape (torch's planner checks it first)
+TARGETS: dict[str, Callable[[], dict[str, Any]]] = {
+    "shape-[2,2]-stored-[4]": lambda: {**_state(0.0), "small": torch.zeros(2, 2)},
+    "shape-[2]-stored-[4]": lambda: {**_state(0.0), "small": torch.zeros(2)},
 }
 
 
@@ -182,10 +242,13 @@ def test_crafted_checkpoint_raises_a_typed_error(saved: Path, tmp_path: Path,
     path = tmp_path / "ckpt"
     shutil.copytree(saved, path)
     craft(path)
-    raised = _raised_within(lambda: dcp_volumes.load(_state(0.0), str(path), no_dist=True),
+    target = TARGETS.get(name, lambda: _state(0.0))()
+    raised = _raised_within(lambda: dcp_volumes.load(target, str(path), no_dist=True),
                             path, 60)
     assert isinstance(raised, expected), repr(raised)[:500]
     assert "0.5" not in str(raised)  # no payload values in the message
+    if name in MESSAGES:
+        assert re.search(MESSAGES[name], str(raised)), str(raised)
 
 
 def test_an_honest_checkpoint_still_loads(saved: Path) -> None:
