@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DCPVolumesError",
+    "DeleteError",
     "DestinationMismatchError",
     "DownloadError",
     "ExportConflictError",
@@ -61,6 +62,11 @@ class CheckpointChangedError(IntegrityError):
 
 class UploadError(DCPVolumesError, OSError):
     """Bytes could not be made durable in the store (after retries where transient)."""
+
+
+class DeleteError(DCPVolumesError, OSError):
+    """Objects could not be deleted from the store (after retries where transient), or the
+    store's answer did not confirm that they were; the message says which remain."""
 
 
 class DownloadError(DCPVolumesError, OSError):

@@ -431,7 +431,8 @@ class Backend(VersionedReads):
         return out
 
     async def remove(self, relatives: list[str]) -> None:
-        """Delete objects (missing ones are fine). Raises only on real failures."""
+        """Delete objects (missing ones are fine). Raises only on real failures (DeleteError
+        unless a more specific error fits), once no request is left in flight."""
         if not relatives:
             return
 
@@ -443,8 +444,10 @@ class Backend(VersionedReads):
             except errors.ObjectNotFoundError:
                 pass
 
-        await asyncio.gather(*(_rm_one(r) for r in relatives))
+        outcomes = await asyncio.gather(*(_rm_one(r) for r in relatives), return_exceptions=True)
         self.fs.invalidate_cache(self.root)
+        for failed in [o for o in outcomes if isinstance(o, BaseException)][:1]:
+            raise failed
 
     async def prune_empty_dirs(self, relative: str = "") -> None:
         """Remove directories left empty under ``relative`` (stores with real directories)."""

@@ -10,13 +10,13 @@ where the store's answer lacks the field s3fs needs.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
 from typing import Any, ClassVar
 
 from dcp_volumes import errors
+from dcp_volumes.backends import s3_delete
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
 from dcp_volumes.backends.s3_upload import S3Sink, s3_checksum
 from dcp_volumes.backends.sink import Sink
@@ -197,28 +197,8 @@ class S3Backend(Backend):
 
     async def remove(self, relatives: list[str]) -> None:
         """Delete objects with DeleteObjects, :attr:`delete_batch` keys a request (a
-        checkpoint's objects in one request, where a DELETE each made one per object);
-        missing ones are fine."""
-        if not relatives:
-            return
-        s3 = await self.client()
-        keys = [self.path(r).partition("/")[2] for r in relatives]
-        n = self.delete_batch
-        await asyncio.gather(*(
-            self.call(functools.partial(self._delete_batch, s3, keys[i:i + n]), op="delete",
-                      url=self.url)
-            for i in range(0, len(keys), n)))
-        self.fs.invalidate_cache(self.root)
-
-    async def _delete_batch(self, s3: Any, keys: list[str]) -> None:
-        """One DeleteObjects request; a key it could not delete raises as its own request
-        would have (translated and retried at the choke point: deleting again is harmless)."""
-        from botocore.exceptions import ClientError
-
-        out = await s3.delete_objects(Bucket=self.bucket, Delete={
-            "Objects": [{"Key": k} for k in keys], "Quiet": True})
-        failed = [e for e in out.get("Errors") or [] if e.get("Code") != "NoSuchKey"]
-        if failed:
-            raise ClientError({"Error": {"Code": failed[0].get("Code"),
-                                         "Message": failed[0].get("Message", "")}},
-                              "DeleteObjects")
+        checkpoint's objects in one request, where a DELETE each made one per object), and
+        the keys XML cannot carry one by one; missing ones are fine, and every answer is
+        checked against the keys asked (:mod:`~dcp_volumes.backends.s3_delete`)."""
+        if relatives:
+            await s3_delete.remove(self, await self.client(), relatives, batch=self.delete_batch)

@@ -229,13 +229,20 @@ def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolum
         return errors.ObjectNotFoundError(f"{op} of {where} failed: object not found")
     if is_transient(exc):
         detail = code or (f"HTTP {status}" if status else kind)
-        cls = errors.DownloadError if op in ("download", "list", "read") else errors.UploadError
+        cls = _error_class(op)
         return cls(f"{op} of {where} failed after retries ({detail}); the store is unavailable "
                    "or throttling: retry later or raise RetryOptions.max_attempts")
     detail = code or (f"HTTP {status}" if status else kind)
+    return _error_class(op)(f"{op} of {where} failed ({detail})")
+
+
+def _error_class(op: str) -> type[errors.DCPVolumesError]:
+    """The error of a failed ``op`` that no more specific class describes."""
     if op in ("download", "list", "read"):
-        return errors.DownloadError(f"{op} of {where} failed ({detail})")
-    return errors.UploadError(f"{op} of {where} failed ({detail})")
+        return errors.DownloadError
+    if op == "delete":
+        return errors.DeleteError
+    return errors.UploadError
 
 
 def throttled_too_long(exc: BaseException, *, url: str, op: str, answers: int, seconds: float,
@@ -244,7 +251,7 @@ def throttled_too_long(exc: BaseException, *, url: str, op: str, answers: int, s
     in a row, over ``seconds``, the last request ending in ``exc``."""
     status, code = status_and_code(exc)
     detail = code or (f"HTTP {status}" if status else type(exc).__name__)
-    cls = errors.DownloadError if op in ("download", "list", "read") else errors.UploadError
+    cls = _error_class(op)
     deadline = "None" if deadline_s is None else f"{deadline_s:g}s"
     return cls(
         f"{op} of {redact_url(url)} failed: the store kept throttling ({answers} throttle "

@@ -28,9 +28,9 @@ from dcp_volumes.catalog._common import (
     compile_step_pattern,
     open_root,
 )
+from dcp_volumes.catalog._delete import delete_checkpoint
 from dcp_volumes.catalog._gc_report import GcReport
 from dcp_volumes.catalog._gc_survey import Collection, survey
-from dcp_volumes.catalog._retention import delete_checkpoint
 
 __all__ = ["GcReport", "gc"]
 
@@ -101,7 +101,8 @@ def gc(
     Removes, when older than ``older_than_s`` (newest object's modification time):
 
     - incomplete checkpoints (no ``.metadata``) made only of DCP files -- a directory holding
-      anything else is reported in ``skipped`` and left alone;
+      anything else is reported in ``skipped`` and left alone, unless it holds the removal
+      marker of a removal (``rm``, retention) that stopped half way: it is removed whole;
     - objects inside a complete checkpoint that belong to no committed save: shards,
       manifests and live records whose save id differs from ``.metadata``'s
       ``storage_meta.save_id`` and that it does not name (a killed or losing save), the

@@ -19,6 +19,7 @@ from dcp_volumes.catalog._common import (
     save_id_in,
     save_id_time,
 )
+from dcp_volumes.catalog._delete import REMOVING
 from dcp_volumes.catalog._gc_report import GcReport
 from dcp_volumes.catalog._scan import CheckpointInfo, checkpoints_in, group, list_objects
 
@@ -108,6 +109,13 @@ def _leftovers(backend: Backend, name: str, objects: list[ObjectInfo]) -> list[O
     return out
 
 
+def _being_removed(objects: list[ObjectInfo]) -> bool:
+    """Whether a removal of this whole directory stopped half way: its removal marker,
+    written before ``.metadata`` went (:mod:`._delete`), says that everything here was
+    asked to go, checkpoint files or not."""
+    return any(o.name == REMOVING for o in objects)
+
+
 def _survey_incomplete(
     info: CheckpointInfo,
     objs: list[ObjectInfo],
@@ -125,7 +133,7 @@ def _survey_incomplete(
         )
     elif running:
         report.skipped.append(f"{info.url}: incomplete, {next(iter(running.values()))}")
-    elif not all(is_artifact(o.name) for o in objs):
+    elif not all(is_artifact(o.name) for o in objs) and not _being_removed(objs):
         report.skipped.append(
             f"{info.url}: incomplete, but holds files that are not checkpoint files"
         )

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_volumes import _layout, errors
-from dcp_volumes.backends import Backend, ObjectInfo, redact_url
+from dcp_volumes.backends import ObjectInfo, redact_url
 from dcp_volumes.catalog._check import check_newest
 from dcp_volumes.catalog._common import check_count, compile_step_pattern, is_artifact, open_root
+from dcp_volumes.catalog._delete import delete_checkpoint
 from dcp_volumes.catalog._scan import (
     COMMITTED,
     COMPLETE,
@@ -27,19 +28,6 @@ from dcp_volumes.catalog._scan import (
 __all__ = ["apply_retention", "delete_checkpoint", "remove"]
 
 logger = logging.getLogger(__name__)
-
-
-async def delete_checkpoint(backend: Backend, prefix: str, objects: list[ObjectInfo]) -> None:
-    """``.metadata`` first -- the checkpoint is never visible but partial -- then the rest."""
-
-    def rel(name: str) -> str:
-        return f"{prefix}/{name}" if prefix else name
-
-    names = [o.name for o in objects]
-    if _layout.METADATA in names:
-        await backend.remove([rel(_layout.METADATA)])
-    await backend.remove([rel(n) for n in names if n != _layout.METADATA])
-    await backend.prune_empty_dirs(prefix)  # stores with real directories: the empty ones go
 
 
 def _ordered_urls(base: str, objects: list[ObjectInfo]) -> list[str]:
@@ -69,7 +57,9 @@ def remove(
     storage_options: Mapping[str, Any] | None = None,
     dry_run: bool = False,
 ) -> list[str]:
-    """Remove one checkpoint: ``.metadata`` first, then every other object.
+    """Remove one checkpoint: ``.metadata`` first, then every other object, so that a
+    removal stopped at any request leaves either the complete checkpoint or garbage that
+    :func:`gc` removes (:mod:`dcp_volumes.catalog._delete`).
 
     Refuses anything that does not look like one checkpoint (objects in sub-directories,
     e.g. a run root, or no DCP files at all), so a typo cannot wipe a run.
@@ -86,6 +76,8 @@ def remove(
     Raises:
         CheckpointNotFoundError: nothing is stored at ``url``.
         ConfigError: ``url`` is not a checkpoint directory.
+        DeleteError: the store did not delete every object (or did not say it did); what
+            stays is the complete checkpoint or garbage :func:`gc` removes.
     """
     backend = open_root(url, storage_options)
     objects = list_objects(backend)
@@ -157,7 +149,8 @@ def apply_retention(
     every checkpoint a save is writing into (fresh live record) and every checkpoint whose
     name has no step. With neither option set nothing is deleted; when no checkpoint loads,
     nothing is deleted either. Each checkpoint is deleted ``.metadata`` first, so it is never
-    visible while partially deleted.
+    visible while partially deleted, and a deletion that fails leaves either the complete
+    checkpoint or garbage that :func:`gc` removes.
 
     "Loads" is checked by reading ``.metadata`` and the manifest of the newest checkpoints
     until ``keep_last`` (at least one) of them load; older ones are not read.

@@ -70,10 +70,12 @@ def _add_rm(sub: Any, common: argparse.ArgumentParser) -> None:
         help="remove one checkpoint (.metadata first)",
         description=(
             "Remove one checkpoint: .metadata first, so readers never see it partially\n"
-            "deleted, then its other objects. Refuses a URL holding sub-directories (a run\n"
-            "root) or no checkpoint files. Node-local tiers are not touched: local copies\n"
-            "of it stay until the tier's retention evicts them, and local-only saves that\n"
-            "continued it are never loaded again (docs/guarantees.md, lineage rule).\n\n"
+            "deleted, then its other objects. A removal that fails (exit 1) leaves either\n"
+            "the complete checkpoint or garbage that gc collects; run rm again to finish.\n"
+            "Refuses a URL holding sub-directories (a run root) or no checkpoint files.\n"
+            "Node-local tiers are not touched: local copies of it stay until the tier's\n"
+            "retention evicts them, and local-only saves that continued it are never\n"
+            "loaded again (docs/guarantees.md, lineage rule).\n\n"
             + _CONFIRM
         ),
         epilog="examples:\n  dcp-volumes rm s3://bucket/run-42/step-100\n"
@@ -122,11 +124,11 @@ def _add_gc(sub: Any, common: argparse.ArgumentParser) -> None:
         parents=[common, storage_options_parser()],
         help="collect stale incomplete checkpoints, leftover shards and multipart uploads",
         description=(
-            "Find what failed or superseded saves left under a run root, older than\n"
-            "--older-than: incomplete checkpoints (no .metadata), shards and manifests of\n"
-            "saves that never committed inside complete checkpoints, and stale S3 multipart\n"
-            "uploads. Only the store: node-local tiers keep their own retention\n"
-            "(LocalTierOptions keep_last / max_bytes).\n\n" + _CONFIRM
+            "Find what failed or superseded saves (or an interrupted rm) left under a run\n"
+            "root, older than --older-than: incomplete checkpoints (no .metadata), shards\n"
+            "and manifests of saves that never committed inside complete checkpoints, and\n"
+            "stale S3 multipart uploads. Only the store: node-local tiers keep their own\n"
+            "retention (LocalTierOptions keep_last / max_bytes).\n\n" + _CONFIRM
         ),
         epilog="examples:\n  dcp-volumes gc s3://bucket/run-42/\n"
         "  dcp-volumes gc s3://bucket/run-42/ --older-than 6h --yes",
