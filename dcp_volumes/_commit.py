@@ -21,13 +21,16 @@ import logging
 from dcp_volumes import _layout, errors
 from dcp_volumes._commit_read import (
     METADATA,
+    NOT_REGULAR,
     is_committed_by,
+    metadata_kind,
     metadata_version,
     objects_of_current_save,
     read_metadata_bytes,
 )
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats, redact_url
+from dcp_volumes.backends.local import LocalBackend
 
 __all__ = [
     "check_durable",
@@ -74,7 +77,8 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
     creates a claim named after it (conditional create), and the winner replaces
     ``.metadata`` only if it is still that damaged one. A reader sees the damaged
     ``.metadata`` or this save's, complete: never a mix. A claim left by a killed save is a
-    ``.metadata.*.tmp`` that gc removes.
+    ``.metadata.*.tmp`` that gc removes. ``damaged`` :data:`NOT_REGULAR`: what stands there
+    is removed first (:func:`_remove_not_regular`), then ``.metadata`` created.
     """
     claim = f"{METADATA}.replacing-{damaged[:32]}.tmp"
     taken = (f"Checkpoint already exists: {redact_url(backend.url)}'s damaged .metadata was "
@@ -88,19 +92,44 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
                 f"{taken} (or is being replaced: {claim}); this save's shards were removed. "
                 "Use a new path, or overwrite=True") from None
     try:
-        if await _version_now(backend, stats) != damaged:
+        now = await _version_now(backend, stats)
+        if now != damaged and not (damaged == NOT_REGULAR and now is None):
             raise errors.CheckpointExistsError(
                 f"{taken} while this one uploaded; this save's shards were removed. Use a new "
                 "path, or overwrite=True to replace it")
-        await backend.commit(METADATA, metadata_bytes, exclusive=False, save_id=save_id,
-                             stats=stats)
+        if damaged == NOT_REGULAR:
+            # Exclusive after the removal: a save that did not take the claim and created
+            # .metadata meanwhile wins, and this one loses (never replaces a commit).
+            await _remove_not_regular(backend)
+            await _commit_metadata(backend, metadata_bytes, exclusive=True, save_id=save_id,
+                                   stats=stats)
+        else:
+            await backend.commit(METADATA, metadata_bytes, exclusive=False, save_id=save_id,
+                                 stats=stats)
     finally:
         await remove_quietly(backend, [claim])
 
 
+async def _remove_not_regular(backend: Backend) -> None:
+    """Remove what stands where ``.metadata`` belongs when it is not a regular object, and
+    only that: on local disk the entry itself (a link, never what it points to; a FIFO; a
+    directory with what is under it, links in it never followed); on object stores the keys
+    under ``.metadata/``, then the empty directory a store with real ones keeps (SeaweedFS's
+    filer refuses to create ``.metadata`` beside it), by its ``.metadata/`` key."""
+    if isinstance(backend, LocalBackend):
+        await backend.remove_entry(METADATA)
+        return
+    prefix = f"{METADATA}/"
+    await backend.remove([o.name for o in await backend.scan() if o.name.startswith(prefix)])
+    if await metadata_kind(backend) not in (None, "file"):
+        await backend.remove([prefix])
+
+
 async def _version_now(backend: Backend, stats: CallStats) -> str | None:
-    """:func:`metadata_version` of the stored ``.metadata`` (bounded read); None when it is
-    gone or too large to read (changed, either way)."""
+    """:func:`metadata_version` of the stored ``.metadata`` (bounded read), or
+    :data:`NOT_REGULAR`; None when it is gone or too large to read (changed, either way)."""
+    if await metadata_kind(backend, stats) not in (None, "file"):
+        return NOT_REGULAR
     try:
         return metadata_version(await read_metadata_bytes(backend, stats))
     except (errors.UnsafeCheckpointError, errors.CheckpointNotFoundError,
@@ -114,6 +143,41 @@ async def _read_or_none(backend: Backend, name: str) -> bytes | None:
         return await backend.cat(name, op="read", start=0, end=64)
     except errors.DCPVolumesError:
         return None
+
+
+async def _create(backend: Backend, metadata_bytes: bytes, *, replaces: str | None,
+                  save_id: str, stats: CallStats) -> None:
+    """Create ``.metadata`` (conditional create), or replace the damaged one ``replaces``
+    names where the create is refused."""
+    if replaces == NOT_REGULAR:
+        # Straight to the replacement: a create beside the entry would be refused (a
+        # directory, SeaweedFS's prefix) or leave it there (moto's keys under .metadata/).
+        await _replace_damaged(backend, metadata_bytes, damaged=replaces, save_id=save_id,
+                               stats=stats)
+        return
+    try:
+        await _commit_metadata(backend, metadata_bytes, exclusive=True, save_id=save_id,
+                               stats=stats)
+    except errors.CheckpointExistsError:
+        if replaces is None:
+            raise
+        await _replace_damaged(backend, metadata_bytes, damaged=replaces, save_id=save_id,
+                               stats=stats)
+
+
+async def _overwrite(backend: Backend, metadata_bytes: bytes, *, save_id: str,
+                     stats: CallStats) -> None:
+    """Write ``.metadata`` over whatever is there; an entry that is not a regular object
+    and refuses it (a directory; SeaweedFS's prefix) is removed first, then written again."""
+    try:
+        await _commit_metadata(backend, metadata_bytes, exclusive=False, save_id=save_id,
+                               stats=stats)
+    except errors.DCPVolumesError:
+        if await metadata_kind(backend) in (None, "file"):
+            raise
+        await _remove_not_regular(backend)
+        await _commit_metadata(backend, metadata_bytes, exclusive=False, save_id=save_id,
+                               stats=stats)
 
 
 async def commit(backend: Backend, *, manifest: Manifest, metadata_bytes: bytes,
@@ -131,14 +195,11 @@ async def commit(backend: Backend, *, manifest: Manifest, metadata_bytes: bytes,
     superseded = await objects_of_current_save(backend) if overwrite else []
     await backend.put(_layout.manifest_name(manifest.save_id), manifest.to_json(), stats=stats)
     try:
-        try:
-            await _commit_metadata(backend, metadata_bytes, exclusive=not overwrite,
-                                   save_id=manifest.save_id, stats=stats)
-        except errors.CheckpointExistsError:
-            if replaces is None or overwrite:
-                raise
-            await _replace_damaged(backend, metadata_bytes, damaged=replaces,
-                                   save_id=manifest.save_id, stats=stats)
+        if overwrite:
+            await _overwrite(backend, metadata_bytes, save_id=manifest.save_id, stats=stats)
+        else:
+            await _create(backend, metadata_bytes, replaces=replaces,
+                          save_id=manifest.save_id, stats=stats)
     except errors.CheckpointExistsError:
         await remove_quietly(backend, ours)
         raise

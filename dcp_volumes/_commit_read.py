@@ -19,13 +19,16 @@ from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import Manifest
 from dcp_volumes._metadata import load_metadata, metadata_save_id, volume_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
+from dcp_volumes.backends.local import LocalBackend
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_METADATA_BYTES",
     "METADATA",
+    "NOT_REGULAR",
     "Committed",
     "is_committed_by",
+    "metadata_kind",
     "metadata_version",
     "objects_of",
     "objects_of_current_save",
@@ -42,6 +45,9 @@ METADATA = _layout.METADATA
 MAX_METADATA_BYTES = 1 << 30
 #: likewise for the integrity manifest
 MAX_MANIFEST_BYTES = 1 << 30
+#: the "version" of a ``.metadata`` that is not a regular object (:func:`metadata_kind`),
+#: which a save replacing it names as it names a damaged one's content identity
+NOT_REGULAR = "not-a-regular-object"
 
 
 @dataclass
@@ -167,6 +173,22 @@ def read_committed(backend: Backend, *, with_manifest: bool = True,
     return Committed(metadata, metadata_save_id(metadata), ours, manifest)
 
 
+async def metadata_kind(backend: Backend, stats: CallStats | None = None) -> str | None:
+    """What stands where ``.metadata`` belongs: None (nothing), ``"file"`` (a regular
+    object), or in words what else: on local disk the entry itself, a link not followed
+    ("a directory", "a FIFO", "a link"); on object stores "a prefix with keys under it"
+    (keys under ``.metadata/`` and no ``.metadata`` object). Whatever it holds or points
+    to, anything but a regular object is no committed save: such a step is not complete
+    (:mod:`dcp_volumes._complete`) and a save of it removes the entry
+    (:func:`dcp_volumes._commit.commit`). The same lookup a size takes (``info``)."""
+    if isinstance(backend, LocalBackend):
+        return await backend.entry_kind(METADATA)
+    info = await backend.info(METADATA, stats=stats)
+    if info is None:
+        return None
+    return "file" if info.get("type", "file") == "file" else "a prefix with keys under it"
+
+
 def metadata_version(data: bytes) -> str:
     """The identity of a ``.metadata``'s content (a replacement names the one it replaces)."""
     return hashlib.sha256(data).hexdigest()
@@ -185,8 +207,8 @@ async def objects_of_current_save(backend: Backend) -> list[str]:
     """Objects the checkpoint committed now at ``backend`` consists of (empty if none)."""
     try:
         data = await backend.cat(METADATA, op="read")
-    except errors.ObjectNotFoundError:
-        return []
+    except (errors.ObjectNotFoundError, errors.UnsafeCheckpointError):
+        return []  # nothing, or not a regular file (never read through a link): no save
     try:
         metadata = load_metadata(data, where=backend.object_url(METADATA))
     except errors.DCPVolumesError:

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import functools
 import os
+import shutil
 import stat
 from typing import Any
 
@@ -41,6 +42,43 @@ class LocalBackend(Backend):
                 "refusing to read it; replace the link with the file itself"
             )
         return real
+
+    # ---- what stands at a name, without following a link (dcp_volumes._complete) --------
+    async def entry_kind(self, relative: str) -> str | None:
+        """What stands at ``relative``, the entry itself (a link is not followed): None
+        (nothing), ``"file"`` (a regular file), or in words what else ("a directory", "a
+        FIFO", "a link", ...)."""
+        try:
+            info = await self.call(lambda: asyncio.to_thread(os.lstat, self.path(relative)),
+                                   op="read", url=self.object_url(relative))
+        except errors.ObjectNotFoundError:
+            return None
+        return "file" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+
+    async def remove_entry(self, relative: str) -> None:
+        """Remove what stands at ``relative`` unless it is a regular file (gone: fine): a
+        link or a FIFO itself, never what a link points to; a directory with everything
+        under it, the links in it removed, never followed (``shutil.rmtree``'s walk by open
+        directory, which refuses a top that is a link)."""
+        path = self.path(relative)
+
+        def _do() -> None:
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                return
+            if stat.S_ISDIR(mode):
+                if not shutil.rmtree.avoids_symlink_attacks:
+                    raise errors.UnsafeCheckpointError(
+                        f"{relative} of {self.url} is a directory, and on this platform "
+                        "removing one could follow a link in it out of the checkpoint: "
+                        "remove it by hand")
+                shutil.rmtree(path)
+            elif not stat.S_ISREG(mode):
+                os.unlink(path)  # the entry itself: a link's target is never touched
+
+        await self.call(lambda: asyncio.to_thread(_do), op="delete",
+                        url=self.object_url(relative), retry_if=never_retry)
 
     async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
         real = self.confined(relative)
