@@ -17,18 +17,22 @@ bytes over the group (:func:`read_shared`):
    (allow-listed) and parses the manifest itself, and the ranks agree once more: bytes
    that differ on one rank fail the load with ``IntegrityError`` on every rank.
 
-Every wait is bounded by the reader's ``cooperative_timeout_s``: a rank 0 that dies or
-hangs fails the read with ``DownloadError`` on the others. Outside ``dcp.load`` (a direct
+Every wait is bounded by the reader's ``cooperative_timeout_s`` (:mod:`dcp_volumes._dist`'s
+bounded collectives): a rank 0 that dies or hangs in its read fails the read with
+``DownloadError`` on the others, naming rank 0 and saying which it was (a connection closed
+after so many seconds, or nothing within the limit). Such a rank then leaves the collectives
+DCP makes after ``read_metadata`` (:func:`leave_dcp`): the load ends there, not at the
+process group's timeout (gloo's default: 30 minutes). Outside ``dcp.load`` (a direct
 ``read_metadata()`` call, ``no_dist=True``), on a subgroup, or where no group carries CPU
 tensors, every rank reads itself, as before (:func:`read_commit` decides).
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +52,8 @@ from dcp_volumes._commit_read import (
 from dcp_volumes._metadata import load_metadata, metadata_save_id, volume_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
 
-__all__ = ["LEADER", "Group", "Header", "broadcast_bytes", "dcp_load_group", "load_group",
-           "read_commit", "read_leader", "read_shared"]
+__all__ = ["LEADER", "Group", "Header", "broadcast_bytes", "dcp_load_group", "leave_dcp",
+           "load_group", "read_commit", "read_leader", "read_shared"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +69,13 @@ _DIGEST_WORDS = 4  # SHA-256 as int64 words
 @dataclass(frozen=True)
 class Group:
     """The ranks that share one read: ``group`` carries CPU tensors (None: the default
-    group) and spans all ``world`` ranks; ``rank`` is this one's (global = group) rank."""
+    group) and spans all ``world`` ranks; ``rank`` is this one's (global = group) rank;
+    ``dcp``: the ``_DistWrapper`` of the ``dcp.load`` the read is in (None: not in one)."""
 
     group: Any
     rank: int
     world: int
+    dcp: Any = None
 
 
 @dataclass(frozen=True)
@@ -152,14 +158,36 @@ def load_group() -> Group | None:
         return None  # a subgroup: ranks outside it are not reading
     backend = str(dist.get_backend(pg))
     if "gloo" in backend or backend == "mpi":
-        return Group(pg, rank, world)
+        return Group(pg, rank, world, wrapper)
     if not is_world:
         return None
     try:
-        return Group(_dist.cpu_group(True), rank, world)
+        return Group(_dist.cpu_group(True), rank, world, wrapper)
     except (RuntimeError, ValueError) as exc:
         logger.debug("no CPU group for a shared read of the commit (%s)", exc)
         return None
+
+
+def leave_dcp(wrapper: Any) -> None:
+    """Make the rest of this ``dcp.load``'s collectives this rank's alone (``wrapper``: its
+    ``_DistWrapper``; None: the read is in none): called once a peer was lost.
+
+    Whatever ``read_metadata`` raises, DCP then gathers every rank's outcome on its
+    coordinator and scatters the verdict, over the process group: a stuck rank 0 holds that
+    until the group's timeout, a dead one fails it with gloo's untyped ``RuntimeError``.
+    With ``use_dist`` off torch's wrapper skips both, and as its own ``is_coordinator`` this
+    rank raises its failure at once: ``CheckpointException`` with our error inside (under
+    index 0, the wrapper's only entry; ``dcp_volumes.load`` raises the error itself). The
+    ranks' collectives are out of step after a lost peer whatever this rank does: the job
+    restarts.
+    """
+    if wrapper is None:
+        return
+    if not (hasattr(wrapper, "use_dist") and hasattr(wrapper, "is_coordinator")):
+        logger.debug("this torch's dcp.load keeps waiting for a lost rank (no use_dist)")
+        return
+    wrapper.use_dist = False
+    wrapper.is_coordinator = True
 
 
 def read_commit(backend: Backend, *, with_manifest: bool, stats: CallStats | None,
@@ -211,53 +239,58 @@ def decode(payload: bytes, header: Header, backend: Backend, *,
     return Committed(metadata, metadata_save_id(metadata), save_id is not None, manifest)
 
 
-def broadcast_bytes(data: bytes | None, size: int, group: Group, timeout_s: float) -> bytes:
+def broadcast_bytes(data: bytes | None, size: int, group: Group, timeout_s: float, *,
+                    fail: Callable[[str, RuntimeError], BaseException]) -> bytes:
     """``size`` bytes from :data:`LEADER` (``data`` there) to every rank, waiting at most
-    ``timeout_s``; raises ``RuntimeError`` when it does not arrive."""
+    ``timeout_s``; raises ``fail(what happened, error)`` when they do not arrive
+    (:func:`~dcp_volumes._dist.broadcast`)."""
     if size == 0:
         return b""
     buf = (_dist.uint8_tensor(bytearray(data)) if data is not None
            else torch.empty(size, dtype=torch.uint8))
-    dist.broadcast(buf, src=LEADER, group=group.group, async_op=True).wait(
-        timeout=datetime.timedelta(seconds=timeout_s))
+    _dist.broadcast(buf, src=LEADER, group=group.group, timeout_s=timeout_s,
+                    what=f"the bytes of the commit from rank {LEADER}", fail=fail)
     return data if data is not None else buf.numpy().tobytes()
 
 
 class _Steps:
-    """The collectives of one shared read, each bounded by ``timeout_s``."""
+    """The collectives of one shared read, each bounded by ``timeout_s``; a rank that loses
+    a peer in one leaves DCP's collectives of the load (:func:`leave_dcp`) and raises."""
 
     def __init__(self, group: Group, timeout_s: float, url: str) -> None:
         self.group, self.timeout_s = group, timeout_s
         self.task = f"reading the commit of {url} once for {group.world} ranks"
+        # what a lost peer means here: only rank 0 does anything the others wait for
+        self.note = ((f"; rank {LEADER} reads the commit for every rank: that read is stuck "
+                      f"(the store does not answer) or rank {LEADER} died")
+                     if group.rank != LEADER else "") + (
+            "; the ranks' process group is out of step now: restart the job")
 
     def agree(self, err: BaseException | None, step: str) -> None:
         """A failed rank's error class on every rank; ``DownloadError`` for a silent one."""
         g = self.group
         _dist.agree(err, group=g.group, world=g.world, me=g.rank, timeout_s=self.timeout_s,
-                    task=self.task, step=step)
+                    task=self.task, step=step, note=self.note,
+                    on_lost=lambda: leave_dcp(g.dcp))
 
     def header(self, read: LeaderRead | None) -> Header:
         t = read.header.to_tensor() if read is not None else torch.zeros(
             2 + _DIGEST_WORDS, dtype=torch.int64)
-        self._bounded(lambda: dist.broadcast(t, src=LEADER, group=self.group.group,
-                                             async_op=True).wait(
-            timeout=datetime.timedelta(seconds=self.timeout_s)), "the sizes")
+        _dist.broadcast(t, src=LEADER, group=self.group.group, timeout_s=self.timeout_s,
+                        what=f"the sizes of the commit from rank {LEADER}", fail=self._lost)
         return Header.from_tensor(t)
 
     def payload(self, read: LeaderRead | None, header: Header) -> bytes:
         data = read.metadata + read.manifest if read is not None else None
         size = header.metadata_len + header.manifest_len
-        return self._bounded(lambda: broadcast_bytes(data, size, self.group, self.timeout_s),
-                             "the bytes")
+        return broadcast_bytes(data, size, self.group, self.timeout_s, fail=self._lost)
 
-    def _bounded(self, fn: Any, what: str) -> Any:
-        try:
-            return fn()
-        except RuntimeError as exc:
-            raise errors.DownloadError(
-                f"rank {self.group.rank}: {what} of the commit did not arrive from rank "
-                f"{LEADER} within {self.timeout_s:.0f}s while {self.task}: a rank died or is "
-                f"stuck ({exc})") from exc
+    def _lost(self, said: str, exc: RuntimeError) -> errors.DownloadError:
+        """The error a broadcast that did not arrive raises (this rank has left DCP's
+        collectives: the error is raised at once)."""
+        leave_dcp(self.group.dcp)
+        return errors.DownloadError(
+            f"rank {self.group.rank}: {said} while {self.task}{self.note} ({exc})")
 
 
 def read_shared(backend: Backend, group: Group, *, with_manifest: bool,
