@@ -120,6 +120,10 @@ def _relative_link_to_another_step(run: Run, rel: str) -> None:
     os.symlink("../step-00000002/.metadata", run.path(f"{rel}/.metadata"))
 
 
+def _link_to_a_directory_out(run: Run, rel: str) -> None:
+    os.symlink(run.outside, run.path(f"{rel}/.metadata"))
+
+
 def _dangling_link(run: Run, rel: str) -> None:
     os.symlink(run.outside / "nothing-here", run.path(f"{rel}/.metadata"))
 
@@ -142,6 +146,7 @@ LOCAL_CASES: dict[str, Callable[[Run, str], None]] = {
     "link-out": _link_out,
     "link-to-another-step": _link_to_another_step,
     "relative-link-to-another-step": _relative_link_to_another_step,
+    "link-to-a-directory-out": _link_to_a_directory_out,
     "dangling-link": _dangling_link,
     "directory-with-links-out": _directory_with_a_link_out,
 }
@@ -150,6 +155,12 @@ LOCAL_CASES: dict[str, Callable[[Run, str], None]] = {
 CASES = [pytest.param(("local", name), id=f"local-{name}") for name in LOCAL_CASES]
 CASES += [pytest.param((server, "stray-key"), id=f"{server}-stray-key")
           for server in ("moto", "seaweedfs")]
+#: the writer's replacement on Azure too (the Checkpointer's: S3 is enough). Not on
+#: fake-gcs-server: its filesystem backend keeps the directory a deleted ``.metadata/stray``
+#: leaves on its own disk, which no API call removes, and then fails every write of
+#: ``.metadata`` with a 500 ("rename ...: file exists"), even a first save's; real GCS has
+#: no directories
+WRITER_CASES = [*CASES, pytest.param(("azurite", "stray-key"), id="azurite-stray-key")]
 
 
 def _spoil(run: Run, rel: str, case: str) -> None:
@@ -161,6 +172,7 @@ def _spoil(run: Run, rel: str, case: str) -> None:
 KIND = {"directory": "is a directory", "empty-directory": "is a directory",
         "fifo": "is a FIFO", "link-out": "is a link", "link-to-another-step": "is a link",
         "relative-link-to-another-step": "is a link", "dangling-link": "is a link",
+        "link-to-a-directory-out": "is a link",
         "directory-with-links-out": "is a directory",
         "stray-key": "is a prefix with keys under it"}
 
@@ -227,7 +239,7 @@ def test_the_checkpointer_resumes_past_the_step_and_saves_it_again(
     assert not leftovers(run, "step-00000003")
 
 
-@pytest.mark.parametrize("spoiled", CASES, indirect=True)
+@pytest.mark.parametrize("spoiled", WRITER_CASES, indirect=True)
 def test_a_volume_writer_save_replaces_the_step(spoiled: tuple[Run, str]) -> None:
     run, case = spoiled
     for step in (1, 2, 3):
