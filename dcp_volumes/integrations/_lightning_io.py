@@ -92,7 +92,11 @@ class VolumeCheckpointIO(CheckpointIO):
 
 def _param_ids(optim_state: Any) -> Any:
     """DCP stores the keys of ``optimizer.state_dict()["state"]`` (parameter ids) as strings;
-    ``Optimizer.load_state_dict`` matches them as ints."""
+    ``Optimizer.load_state_dict`` matches them as ints. An empty ``"state"`` (SGD without
+    momentum, any optimizer before its first step) is not stored at all (DCP keeps no empty
+    containers), and ``load_state_dict`` needs the key: it comes back empty."""
+    if isinstance(optim_state, dict) and "param_groups" in optim_state:
+        optim_state.setdefault("state", {})
     if isinstance(optim_state, dict) and isinstance(optim_state.get("state"), dict):
         optim_state["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
                                 for k, v in optim_state["state"].items()}

@@ -60,13 +60,32 @@ def meta_from(blob: Any, weights_only: bool | None, where: str,
             meta = torch.load(io.BytesIO(bytes(blob)), weights_only=weights_only is not False,
                               map_location="cpu")
     except pickle.UnpicklingError as exc:
-        raise errors.UnsafeCheckpointError(
-            f"{where}: Lightning's metadata (hyperparameters, callback or loop state) "
-            "references a class that is not allowed: pass it in safe_globals=[...] to the "
-            f"strategy or VolumeCheckpointIO ({exc})") from exc
+        raise _refused(bytes(blob), where, safe_globals) from exc
     if not isinstance(meta, dict):
         raise errors.UnsafeCheckpointError(f"{where}: {META_KEY!r} is not a dict")
     return meta
+
+
+def _refused(blob: bytes, where: str, safe_globals: Sequence[Any]
+             ) -> errors.UnsafeCheckpointError:
+    """The refusal of Lightning's metadata by the weights-only unpickler, naming what it
+    references that is not allowed (``save_hyperparameters()`` of an ``argparse.Namespace``
+    or of a dataclass, say) and the two ways to allow it."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
+    except Exception:  # noqa: BLE001 — naming them is a courtesy; the refusal stands
+        names = []
+    given = {f"{getattr(g, '__module__', '?')}.{getattr(g, '__qualname__', g)}"
+             for g in safe_globals}
+    shown = sorted(set(names) - given)
+    what = (f"references {', '.join(shown[:5])}" if shown
+            else "holds a value (a class, function or opcode)")
+    return errors.UnsafeCheckpointError(
+        f"{where}: Lightning's metadata (hyperparameters, callback or loop state) {what}, "
+        "which torch's weights-only unpickler does not allow: pass "
+        f"{('it' if len(shown) == 1 else 'them') if shown else 'its classes'} in "
+        "safe_globals=[...] to the strategy or VolumeCheckpointIO, or, if you trust this "
+        "checkpoint, weights_only=False to trainer.fit or fabric.load")
 
 
 def latest_checkpoint(root: str | os.PathLike[str], *,

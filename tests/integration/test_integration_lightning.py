@@ -19,10 +19,12 @@ and the ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` variables (``LightningEnviron
 from __future__ import annotations
 
 import os
+import re
 import signal
 import uuid
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,14 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 BATCHES = 4  # per rank per epoch, at 2 ranks
 WIDTH = 8
+
+
+@dataclass
+class HParams:
+    """A dataclass argument of the module, recorded by ``save_hyperparameters()``."""
+
+    width: int = WIDTH
+    name: str = "tiny"
 
 
 # ---- what runs in the ranks -----------------------------------------------------------------
@@ -65,6 +75,11 @@ def _module(cfg: Any = None) -> Any:
             self.start_step: int | None = None
             self.start_weights: dict[str, Any] | None = None
             self.start_optim: Any = None
+            self.sgd = False  # plain SGD: no optimizer state at all
+            self.loaded_hparams: str | None = None
+
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            self.loaded_hparams = repr(checkpoint.get("hyper_parameters"))
 
         def configure_model(self) -> None:
             if self.device_mesh is None:  # not ModelParallelStrategy
@@ -95,6 +110,8 @@ def _module(cfg: Any = None) -> Any:
                 self.start_optim = _plain(self.trainer.optimizers[0].state_dict()["state"])
 
         def configure_optimizers(self) -> Any:
+            if self.sgd:
+                return torch.optim.SGD(self.parameters(), lr=1e-2)
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     return Tiny(cfg)
@@ -135,14 +152,14 @@ def _kill_after_upload(step: int) -> None:
 
 def _fit(trainer: Any, model: Any, ckpt_path: str | None) -> dict[str, Any]:
     """``trainer.fit``; what it recorded, and the error it raised (if any)."""
-    error = None
+    error = message = None
     try:
         trainer.fit(model, train_dataloaders=_data(), ckpt_path=ckpt_path)
     except Exception as exc:  # noqa: BLE001 -- the survivor of a kill: its error is checked
-        error = type(exc).__name__
+        error, message = type(exc).__name__, str(exc)[:2000]
     return {"losses": model.losses, "start_step": model.start_step, "ckpt_path": ckpt_path,
             "start_weights": model.start_weights, "global_step": trainer.global_step,
-            "error": error}
+            "error": error, "message": message, "hparams": model.loaded_hparams}
 
 
 def _trainer(world: int, epochs: int, save: bool, **kwargs: Any) -> Any:
@@ -209,6 +226,35 @@ def _hparams_round_trip(root: str, options: dict[str, Any]) -> dict[str, Any]:
     return {"first": fit(1, False, safe_globals=[Namespace]),
             "not_allowed": fit(2, True),
             "resumed": fit(2, True, safe_globals=[Namespace])}
+
+
+def _dataclass_hparams_round_trips(strategy_root: str, io_root: str, options: dict[str, Any]
+                                   ) -> dict[str, Any]:
+    """Issue 37, finding 8.5: ``save_hyperparameters()`` of a dataclass, resumed through the
+    strategy and through ``VolumeCheckpointIO``; the latter with plain SGD, whose optimizer
+    state is empty (DCP stores no empty container: that resume raised ``KeyError: 'state'``)."""
+    from dcp_volumes.integrations.lightning import (
+        VolumeCheckpointIO,
+        VolumeModelParallelStrategy,
+    )
+
+    def through_strategy(epochs: int, resume: bool) -> dict[str, Any]:
+        strategy = VolumeModelParallelStrategy(strategy_root, storage_options=options,
+                                               data_parallel_size=1, tensor_parallel_size=1,
+                                               safe_globals=[HParams])
+        trainer, _ = _trainer(1, epochs, True, strategy=strategy)
+        return _fit(trainer, _module(HParams()), strategy.resume_path() if resume else None)
+
+    def through_io(epochs: int, resume: bool, **kwargs: Any) -> dict[str, Any]:
+        io = VolumeCheckpointIO(io_root, storage_options=options, **kwargs)
+        model = _module(HParams())
+        model.sgd = True
+        trainer, _ = _trainer(1, epochs, True, plugins=[io])
+        return _fit(trainer, model, io.resume_path() if resume else None)
+
+    return {"strategy": [through_strategy(1, False), through_strategy(2, True)],
+            "io": [through_io(1, False), through_io(2, True),
+                   through_io(2, True, safe_globals=[HParams])]}
 
 
 def _fabric_round_trip(rank: int, world: int, root: str, options: dict[str, Any]
@@ -292,11 +338,14 @@ def _killed_run(rank: int, world: int, root: str, options: dict[str, Any]) -> di
 
 
 def _one_rank_then_checkpoint_io(rank: int, world: int, root: str, io_root: str,
-                                 hp_root: str, options: dict[str, Any]) -> dict[str, Any]:
+                                 hp_roots: list[str], options: dict[str, Any]
+                                 ) -> dict[str, Any]:
     _quiet()
     return {"one_rank": _train(world, root, options, 3, True, save=False),
             "io": _checkpoint_io_round_trip(io_root, options),
-            "hparams": _hparams_round_trip(hp_root, options)}
+            "hparams": _hparams_round_trip(hp_roots[0], options),
+            "dataclass_hparams": _dataclass_hparams_round_trips(hp_roots[1], hp_roots[2],
+                                                                options)}
 
 
 def _resumed_then_fabric(rank: int, world: int, root: str, fabric_root: str,
@@ -310,13 +359,13 @@ def _resumed_then_fabric(rank: int, world: int, root: str, fabric_root: str,
 @pytest.fixture(scope="module")
 def scenario(seaweedfs: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     os.environ["LIGHTNING_TEST_TMP"] = str(tmp_path_factory.mktemp("lightning"))
-    run, io, fab, hp = (seaweedfs.store(), seaweedfs.store(), seaweedfs.store(),
-                        seaweedfs.store())
+    run, io, fab = seaweedfs.store(), seaweedfs.store(), seaweedfs.store()
+    hp_roots = [seaweedfs.store().root for _ in range(3)]
     opts = run.storage_options
     out: dict[str, Any] = {"root": run.root, "io_root": io.root}
     out["killed"] = run_ranks_with_victim(2, 1, _killed_run, run.root, opts, timeout=240)
     out["killed_listing"] = catalog.list_checkpoints(run.root, storage_options=opts)
-    out.update(run_ranks(1, _one_rank_then_checkpoint_io, run.root, io.root, hp.root,
+    out.update(run_ranks(1, _one_rank_then_checkpoint_io, run.root, io.root, hp_roots,
                          opts)[0])
     out["io_listing"] = catalog.list_checkpoints(io.root, storage_options=opts)
     both = run_ranks(2, _resumed_then_fabric, run.root, fab.root, opts)
@@ -402,10 +451,34 @@ def test_fabric_save_and_load_round_trip(scenario: dict[str, Any]) -> None:
 
 def test_hyperparameters_with_a_namespace_resume_with_safe_globals(
         scenario: dict[str, Any]) -> None:
+    from argparse import Namespace
+
     """Issue 25, finding 10: the strategy's safe_globals reach Lightning's metadata (the
     hyperparameters); without them the error is typed and says what to pass."""
     hp = scenario["hparams"]
     assert hp["first"]["error"] is None and hp["first"]["global_step"] == BATCHES * 2
     assert hp["not_allowed"]["error"] == "UnsafeCheckpointError"
+    # issue 37, finding 8.5: it names the class and both ways to allow it
+    assert "references argparse.Namespace" in hp["not_allowed"]["message"]
+    assert "safe_globals=[...]" in hp["not_allowed"]["message"]
+    assert "weights_only=False" in hp["not_allowed"]["message"]
     assert hp["resumed"]["error"] is None
     assert hp["resumed"]["start_step"] == BATCHES * 2 and hp["resumed"]["global_step"] == 16
+    assert hp["resumed"]["hparams"] == repr({"cfg": Namespace(width=WIDTH)})
+
+
+def test_dataclass_hyperparameters_survive_a_resume(scenario: dict[str, Any]) -> None:
+    """Issue 37, finding 8.5: a dataclass in ``save_hyperparameters()`` comes back equal
+    through the strategy and ``VolumeCheckpointIO``; without it in ``safe_globals`` the
+    error is typed and names it; plain SGD (no optimizer state) resumes."""
+    hp = scenario["dataclass_hparams"]
+    saved = repr({"cfg": HParams()})
+    first, resumed = hp["strategy"]
+    assert first["error"] is None and resumed["error"] is None, resumed["message"]
+    assert resumed["start_step"] == BATCHES * 2 and resumed["hparams"] == saved
+    first, refused, resumed = hp["io"]
+    assert first["error"] is None, first["message"]
+    assert refused["error"] == "UnsafeCheckpointError"
+    assert re.search(r"references \S*\.HParams,", refused["message"]), refused["message"]
+    assert resumed["error"] is None, resumed["message"]  # was KeyError: 'state' (SGD)
+    assert resumed["start_step"] == BATCHES * 2 and resumed["hparams"] == saved
