@@ -28,6 +28,17 @@ Actions (one per request: the first rule that matches and still has injections l
 ``corrupt``           forward the request with one byte of its body flipped (the byte at
                       payload offset ``nbytes``, default the middle of the body), as a bad NIC or
                       middlebox would; the upstream's answer goes back as it is.
+``ignore_range``      forward the request without its ``Range``/``x-ms-range`` header: the
+                      upstream answers 200 with the whole object, as a store that ignores
+                      ``Range`` does (:func:`ignore_range`).
+``shift_range``       forward the request with its range moved ``nbytes`` (default 1) further:
+                      the upstream answers another range than the client asked for
+                      (:func:`shift_range`). Both change a request header, so they suit
+                      upstreams that do not check a signature over it (moto, fake-gcs-server,
+                      Azurite read through a SAS).
+
+:func:`cut_body` is a ``truncate`` rule for every GET (half of each body, then the
+connection closes).
 
 A :class:`PrefixRateLimit` (``proxy.add_rate_limit(PrefixRateLimit(rate=50))``) limits the
 request rate of each key prefix with a token bucket and answers 503 SlowDown above it, as S3
@@ -66,9 +77,12 @@ from dcp_volumes.testing.faultproxy._rules import (
     RateLimitStats,
     RuleStats,
     azure_throttled,
+    cut_body,
     gcs_rate_limited,
+    ignore_range,
     s3_internal_error,
     s3_slowdown,
+    shift_range,
 )
 
 __all__ = [
@@ -86,7 +100,10 @@ __all__ = [
     "RateLimitStats",
     "RuleStats",
     "azure_throttled",
+    "cut_body",
     "gcs_rate_limited",
+    "ignore_range",
     "s3_internal_error",
     "s3_slowdown",
+    "shift_range",
 ]

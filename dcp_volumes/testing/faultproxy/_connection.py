@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Any
 
 from dcp_volumes.testing.faultproxy._http import (
     BUF,
@@ -30,6 +31,36 @@ if TYPE_CHECKING:
 __all__ = ["Connection"]
 
 logger = logging.getLogger(__name__)
+
+#: the request headers that ask for a byte range (Azure's SDK sends its own)
+_RANGE_HEADERS = (b"range", b"x-ms-range")
+
+
+def _range_rewrite(req: Head, rule: FaultRule | None) -> dict[str, Any]:
+    """``Head.serialize`` arguments for the request sent upstream: ``Expect`` always dropped;
+    ``ignore_range`` drops the range headers, ``shift_range`` moves the range ``nbytes``."""
+    drop = {b"expect"}
+    replace: dict[bytes, bytes] = {}
+    action = rule.action if rule is not None else None
+    if action == "ignore_range":
+        drop.update(_RANGE_HEADERS)
+    elif rule is not None and action == "shift_range":
+        by = 1 if rule.nbytes is None else rule.nbytes
+        for name in _RANGE_HEADERS:
+            value = req.fields.get(name.decode())
+            moved = None if value is None else _shifted(value, by)
+            if moved is not None:
+                replace[name] = moved.encode("latin-1")
+    return {"drop": frozenset(drop), "replace": replace}
+
+
+def _shifted(value: str, by: int) -> str | None:
+    """``bytes=a-b`` (or ``bytes=a-``) moved ``by`` bytes; None for any other form."""
+    m = re.fullmatch(r"\s*bytes=(\d+)-(\d*)\s*", value)
+    if m is None:
+        return None
+    last = f"{int(m.group(2)) + by}" if m.group(2) else ""
+    return f"bytes={int(m.group(1)) + by}-{last}"
 
 
 class Connection:
@@ -155,8 +186,9 @@ class Connection:
         length: int,
         rule: FaultRule | None,
     ) -> bool:
-        """Send the request upstream (``fail_after_bytes``/``corrupt`` applied); false if cut."""
-        uwriter.write(req.serialize(drop=frozenset((b"expect",))))
+        """Send the request upstream (``fail_after_bytes``/``corrupt``/``ignore_range``/
+        ``shift_range`` applied); false if cut."""
+        uwriter.write(req.serialize(**_range_rewrite(req, rule)))
         action = rule.action if rule is not None else None
         limit = rule.nbytes if rule is not None and action == "fail_after_bytes" else None
         flip_at = None

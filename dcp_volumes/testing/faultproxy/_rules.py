@@ -24,12 +24,16 @@ __all__ = [
     "RateLimitStats",
     "RuleStats",
     "azure_throttled",
+    "cut_body",
     "gcs_rate_limited",
+    "ignore_range",
     "s3_internal_error",
     "s3_slowdown",
+    "shift_range",
 ]
 
-FaultAction = Literal["status", "reset", "delay", "truncate", "fail_after_bytes", "corrupt"]
+FaultAction = Literal["status", "reset", "delay", "truncate", "fail_after_bytes", "corrupt",
+                      "ignore_range", "shift_range"]
 _ACTIONS: frozenset[str] = frozenset(get_args(FaultAction))
 
 S3_SLOWDOWN_XML = (
@@ -62,7 +66,8 @@ class FaultRule:
 
     Args:
         action: One of ``"status"``, ``"reset"``, ``"delay"``, ``"truncate"``,
-            ``"fail_after_bytes"``, ``"corrupt"`` (see the module docstring).
+            ``"fail_after_bytes"``, ``"corrupt"``, ``"ignore_range"``, ``"shift_range"`` (see
+            the module docstring).
         method: HTTP method to match (case-insensitive); ``None`` matches any.
         path_regex: Regular expression searched in the request target (path and query
             string, e.g. ``/bucket/key?partNumber=2&uploadId=...``); ``None`` matches any.
@@ -77,7 +82,8 @@ class FaultRule:
         delay_s: Seconds to wait for ``"delay"``.
         nbytes: Byte count for ``"truncate"`` (response body bytes sent before closing) and
             ``"fail_after_bytes"`` (request body bytes forwarded before closing; required), and
-            ``"corrupt"`` (payload offset of the flipped byte; default the middle).
+            ``"corrupt"`` (payload offset of the flipped byte; default the middle), and
+            ``"shift_range"`` (how far the asked range moves; default 1).
         name: Label for logs and :class:`RuleStats`.
     """
 
@@ -180,6 +186,35 @@ def azure_throttled(**kwargs: Any) -> FaultRule:
         headers={"x-ms-error-code": "ServerBusy"},
         name="azure ServerBusy",
     )
+
+
+def ignore_range(**kwargs: Any) -> FaultRule:
+    """An ``ignore_range`` rule for ranged GETs: the upstream gets the GET without its
+    ``Range`` (``x-ms-range``) header and answers 200 with the whole object, as a store or a
+    proxy that ignores ``Range`` does. ``kwargs`` go to :class:`FaultRule`.
+
+    The request is changed: use it against upstreams that do not check a signature over
+    that header (moto, fake-gcs-server, Azurite read through a SAS); SeaweedFS, and Azurite
+    with a shared key, refuse it (403).
+    """
+    return FaultRule(**{"action": "ignore_range", "method": "GET", "times": None,
+                        "name": "ignore Range", **kwargs})
+
+
+def shift_range(**kwargs: Any) -> FaultRule:
+    """A ``shift_range`` rule for ranged GETs: the upstream is asked for the range moved
+    ``nbytes`` (default 1) further, and answers that range's bytes with its (honest)
+    ``Content-Range``, as a store that serves another range than asked does. Like
+    :func:`ignore_range`, for upstreams that do not check a signature over the header."""
+    return FaultRule(**{"action": "shift_range", "method": "GET", "times": None,
+                        "name": "shifted Range", **kwargs})
+
+
+def cut_body(**kwargs: Any) -> FaultRule:
+    """A ``truncate`` rule for GETs: the answer's head goes through, then half its body
+    (``nbytes`` to choose), then the connection closes, as a dropped connection does."""
+    return FaultRule(**{"action": "truncate", "method": "GET", "times": None,
+                        "name": "body cut", **kwargs})
 
 
 @dataclass(frozen=True, kw_only=True)
