@@ -21,7 +21,8 @@ def begin_store_save(backend: Backend, url: str, *,
     """A new save id for a save to ``url``, once the target is checked (once for the whole
     save) and the id's live record is written (gc leaves the save alone while it is fresh,
     even before its first object); and the version of a damaged ``.metadata`` there, which
-    the commit may replace (None if there is none).
+    the commit may replace (:data:`~dcp_volumes._commit_read.NOT_REGULAR` for one that is not
+    a regular object, which it removes first; None if there is none).
 
     Raises:
         CheckpointExistsError: a complete checkpoint is there and ``overwrite`` is off.
