@@ -21,7 +21,9 @@ __all__ = [
     "IncompleteCheckpointError",
     "IntegrityError",
     "ObjectNotFoundError",
+    "RangeMismatchError",
     "RootInUseError",
+    "ShortBodyError",
     "SpoolError",
     "StoragePermissionError",
     "UnsafeCheckpointError",
@@ -71,6 +73,18 @@ class DeleteError(DCPVolumesError, OSError):
 
 class DownloadError(DCPVolumesError, OSError):
     """Bytes could not be read from the store (after retries where transient)."""
+
+
+class RangeMismatchError(DownloadError):
+    """A GET was answered with other bytes than those asked for: a status other than 206
+    (200 only where the whole object was asked), a ``Content-Range`` naming another range,
+    or a length other than that range's. The store, or a proxy in front of it, does not
+    honour HTTP ``Range``: not retried, and none of the answer's bytes are used."""
+
+
+class ShortBodyError(DownloadError):
+    """A GET's body ended before the length its answer announced (the connection dropped
+    or was cut midway): retried, and raised once the retries are spent."""
 
 
 class SpoolError(DCPVolumesError, OSError):

@@ -25,6 +25,7 @@ import fsspec.asyn
 from dcp_volumes import errors
 from dcp_volumes.backends.pacing import StoreThrottle, store_throttle
 from dcp_volumes.backends.probe import round_trip_s as measure_round_trip
+from dcp_volumes.backends.ranges import check_read
 from dcp_volumes.backends.records import (
     Attempts,
     CallStats,
@@ -323,8 +324,9 @@ class Backend(VersionedReads):
 
     # ---- raw single-attempt operations (overridden per store) ---------------------------
     async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
-        return await self.fs_call("cat_file", self.path(relative), start=start,  # type: ignore[no-any-return]
-                                  end=end)
+        data: bytes = await self.fs_call("cat_file", self.path(relative), start=start, end=end)
+        check_read(self.object_url(relative), start, end, len(data))
+        return data
 
     async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:
         extra: dict[str, Any] = {"mode": "create"} if exclusive else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dcp_volumes.backends.base import Backend, CallStats
+from dcp_volumes.backends.ranges import RangeAnswer, range_header, read_body
 from dcp_volumes.backends.sink import Sink, StreamSink
 from dcp_volumes.backends.versions import ObjectVersion, changed
 
@@ -37,6 +38,9 @@ class GCSBackend(Backend):
     def make_sink(self, relative: str, stats: CallStats, part_size: int) -> Sink:
         return _GCSStreamSink(self, relative, stats, part_size)
 
+    async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
+        return await self._download(relative, start, end, None)
+
     # ---- reads pinned to a version (backends.versions): the object's generation --------
     conditional_reads = True
 
@@ -46,8 +50,34 @@ class GCSBackend(Backend):
             return await super()._get_pinned(relative, pin, start, end)
         # a read of that generation: gone (another generation replaced it) is a 404
         try:
-            data = await self.fs._cat_file_sequential(self.path(relative), start=start,
-                                                      end=end, generation=pin.tag)
+            return await self._download(relative, start, end, pin.tag)
         except FileNotFoundError as exc:
             raise changed(self.object_url(relative), pin, None) from exc
-        return data  # type: ignore[no-any-return]
+
+    async def _download(self, relative: str, start: int | None, end: int | None,
+                        generation: str | None) -> bytes:
+        """One GET of bytes ``[start, end)`` (the whole object: both None) through gcsfs's
+        session, its answer checked (:mod:`~dcp_volumes.backends.ranges`) before a byte is
+        used: gcsfs' ``cat_file`` returns any 2xx body as it is, and retries inside itself
+        (hidden from our loop and its counts)."""
+        fs, path = self.fs, self.path(relative)
+        headers: dict[str, str] = {}
+        if start is not None or end is not None:
+            start = start or 0
+            if end is not None and end <= start:
+                return b""
+            headers["Range"] = range_header(start, end)
+        await fs._set_session()
+        async with fs.session.get(fs.url(path, generation=generation),
+                                  params=fs._get_params({}), headers=fs._get_headers(headers),
+                                  timeout=fs.requests_timeout) as r:
+            if r.status >= 400:  # gcsfs' own reading of an error (404: FileNotFoundError)
+                from gcsfs.retry import validate_response
+
+                validate_response(r.status, await r.read(), path)
+            # a body the client decodes (Content-Encoding) is not the length announced
+            encoded = r.headers.get("Content-Encoding", "identity").lower() != "identity"
+            answer = RangeAnswer(url=self.object_url(relative), start=start, end=end,
+                                 status=r.status, content_range=r.headers.get("Content-Range"),
+                                 content_length=None if encoded else r.content_length)
+            return await read_body(r.content, answer)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from dcp_volumes import errors
 from dcp_volumes.backends import s3_delete
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
+from dcp_volumes.backends.ranges import RangeAnswer, range_header, read_body, read_into
 from dcp_volumes.backends.s3_upload import S3Sink, s3_checksum
 from dcp_volumes.backends.sink import Sink
 from dcp_volumes.backends.translate import status_and_code
@@ -76,17 +77,13 @@ class S3Backend(Backend):
     async def _get(self, relative: str, start: int | None, end: int | None) -> bytes:
         # The raw client, not s3fs' cat_file: s3fs retries some errors inside itself, which
         # would hide them from our loop (and from LoadStats.retries) and stretch deadlines.
-        bucket, key, _ = self.fs.split_path(self.path(relative))
-        kwargs: dict[str, Any] = {}
         if start is not None or end is not None:
-            first = start or 0
-            if end is not None and end <= first:
+            start = start or 0
+            if end is not None and end <= start:
                 return b""
-            kwargs["Range"] = f"bytes={first}-{'' if end is None else end - 1}"
-        s3 = await self.client()
-        resp = await s3.get_object(Bucket=bucket, Key=key, **kwargs)
-        async with resp["Body"] as body:
-            return await body.read()  # type: ignore[no-any-return]
+        body, answer = await self._answer(relative, start, end, None)
+        async with body:
+            return await read_body(body.raw_stream.content, answer)
 
     # ---- reads pinned to a version (backends.versions): If-Match on the ETag ----------
     conditional_reads = True
@@ -101,8 +98,9 @@ class S3Backend(Backend):
                           end: int) -> bytes:
         if pin.tag is None or end <= start:
             return await super()._get_pinned(relative, pin, start, end)
-        async with await self._ranged(relative, start, end, pin) as body:
-            return await body.read()  # type: ignore[no-any-return]
+        body, answer = await self._answer(relative, start, end, pin)
+        async with body:
+            return await read_body(body.raw_stream.content, answer)
 
     async def _get_into(self, relative: str, out: memoryview, start: int,
                         pin: ObjectVersion | None) -> int:
@@ -110,26 +108,20 @@ class S3Backend(Backend):
         # bytes object, no second copy where a caller assembles a large range.
         if not len(out) or (pin is not None and pin.tag is None):
             return await super()._get_into(relative, out, start, pin)
-        n = 0
-        async with await self._ranged(relative, start, start + len(out), pin) as body:
-            # aiohttp's reader hands over each received piece as it is (read(n) would join
-            # the pieces buffered so far into a new bytes object first: a second copy)
-            content = body.raw_stream.content
-            while n < len(out):
-                chunk, _ = await content.readchunk()
-                if not chunk:
-                    break
-                take = min(len(chunk), len(out) - n)
-                out[n:n + take] = memoryview(chunk)[:take]
-                n += take
-        return n
+        body, answer = await self._answer(relative, start, start + len(out), pin)
+        async with body:
+            return await read_into(body.raw_stream.content, answer, out)
 
-    async def _ranged(self, relative: str, start: int, end: int,
-                      pin: ObjectVersion | None) -> Any:
-        """The body of a GET of bytes ``[start, end)``; with ``pin``, If-Match its ETag
-        (another version now raises :func:`~dcp_volumes.backends.versions.changed`)."""
+    async def _answer(self, relative: str, start: int | None, end: int | None,
+                      pin: ObjectVersion | None) -> tuple[Any, RangeAnswer]:
+        """The body of a GET of bytes ``[start, end)`` (the whole object: both None) and
+        what the store answered (checked by :func:`~dcp_volumes.backends.ranges.read_body`
+        before a byte is read); with ``pin``, If-Match its ETag (another version now raises
+        :func:`~dcp_volumes.backends.versions.changed`)."""
         bucket, key, _ = self.fs.split_path(self.path(relative))
-        kwargs: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+        kwargs: dict[str, Any] = {}
+        if start is not None:
+            kwargs["Range"] = range_header(start, end)
         if pin is not None:
             kwargs["IfMatch"] = pin.tag
         s3 = await self.client()
@@ -140,7 +132,12 @@ class S3Backend(Backend):
             if pin is not None and (status == 412 or code == "PreconditionFailed"):
                 raise changed(self.object_url(relative), pin, None) from exc
             raise
-        return resp["Body"]
+        length = resp.get("ContentLength")
+        return resp["Body"], RangeAnswer(
+            url=self.object_url(relative), start=start, end=end,
+            status=int(resp["ResponseMetadata"]["HTTPStatusCode"]),
+            content_range=resp.get("ContentRange"),
+            content_length=None if length is None else int(length))
 
     async def _put(self, relative: str, data: bytes, *, exclusive: bool) -> None:
         # One PutObject whatever the size (s3fs would go multipart past 2 chunks, where a

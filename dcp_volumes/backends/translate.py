@@ -18,6 +18,7 @@ import re
 from dcp_volumes import errors
 
 __all__ = [
+    "is_connection_error",
     "is_throttle",
     "is_transient",
     "redact_url",
@@ -128,12 +129,27 @@ def _own_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     if isinstance(status_code, int):
         code = getattr(exc, "error_code", None)
         return status_code, (str(code) if code else None)
+    if _client_side(exc):
+        return None, None
     # gcsfs.retry.HttpError, aiohttp.ClientResponseError
     for attr in ("code", "status"):
         value = getattr(exc, attr, None)
         if isinstance(value, int) and 100 <= value < 600:
             return value, None
     return None, None
+
+
+def _client_side(exc: BaseException) -> bool:
+    """An HTTP client's own verdict on what it received (aiohttp's ``HttpProcessingError``
+    family: a body shorter than its Content-Length is a ``ContentLengthError``): its
+    ``code`` (400) is no status the store sent."""
+    return any(cls.__name__ == "HttpProcessingError" for cls in type(exc).__mro__)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """True when the connection failed (refused, reset, timed out, closed mid-body), as
+    opposed to the store answering."""
+    return _is_connection_error(exc)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -170,6 +186,8 @@ def _own_connection_error(exc: BaseException) -> bool:
 
 def is_transient(exc: BaseException) -> bool:
     """True when retrying the same request later may succeed."""
+    if isinstance(exc, errors.ShortBodyError):
+        return True  # the next connection may carry the whole body
     if isinstance(exc, errors.DCPVolumesError):
         return False
     if _is_connection_error(exc):
@@ -203,6 +221,10 @@ def translate_error(exc: BaseException, *, url: str, op: str) -> errors.DCPVolum
         url: the object or checkpoint URL concerned (credentials are stripped).
         op: what we were doing, e.g. ``"upload"``, ``"download"``, ``"commit"``, ``"list"``.
     """
+    if isinstance(exc, errors.ShortBodyError):  # the last of its retries
+        return errors.ShortBodyError(
+            f"{exc} (the last of the retries too): check the network path to the store (a "
+            "proxy, a load balancer) or raise RetryOptions.max_attempts")
     if isinstance(exc, errors.DCPVolumesError):
         return exc
     where = redact_url(url)
