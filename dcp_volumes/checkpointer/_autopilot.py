@@ -10,13 +10,21 @@ returned), :meth:`Autopilot.policy` (before each decision: the cadences now),
 :meth:`Autopilot.off`, whose hooks do nothing. Nothing here fails a save or a resume: the
 record's problems are WARNINGs.
 
-Nothing here makes the caller wait for the store. The construction's read of the record and
-its write of this incarnation run on a thread of their own (rank 0), overlapping the
-restart's ``load_latest`` that follows; every later hook waits for that thread first, as of
-the construction's instant, so the result is the same as a synchronous begin (only the time
-differs: an incarnation killed in the first ~0.1 s of its restart, before that write lands,
-is not counted). The later writes go through the process's record writer
-(:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its record.
+Nothing here makes the caller wait for the store. At construction this incarnation is in
+the run's figures at once (no I/O); rank 0 reads the record on a thread of its own, which
+overlaps the restart's ``load_latest``, and merges it with what this incarnation measured
+meanwhile (as of the construction's instant), then writes it back. No hook waits for that
+read: until it lands the cadences come from this incarnation alone (an incarnation killed
+before that write lands is not counted). The later writes go through the process's record
+writer (:mod:`dcp_volumes.checkpointer._record_writes`), so a save does not wait for its
+record. Every read and write is bounded by ``record_deadline_s`` and counted in
+``stats["record"]`` (:mod:`dcp_volumes.checkpointer._record_io`); :meth:`Autopilot.flush`
+(``wait()``, ``close()``) and the exit wait at most one such budget together.
+
+The record read back is untrusted: one that fails
+:func:`~dcp_volumes.goodput._judge.judge_record` (the clock, its own span) is ignored with one
+WARNING and rewritten from this incarnation's figures, and the saves this process measures
+replace the record's claims (:func:`~dcp_volumes.goodput.measured_costs`, ``own=``).
 
 Clocks: every duration within this process (exposure, a save, a resume, the process's start
 to training) is measured on the monotonic clock. The record's timestamps are this
@@ -42,6 +50,7 @@ import torch.distributed as dist
 from dcp_volumes import errors
 from dcp_volumes.backends import open_backend
 from dcp_volumes.checkpointer._policy import SavePolicy
+from dcp_volumes.checkpointer._record_io import RecordIO
 from dcp_volumes.checkpointer._record_writes import record_writes
 from dcp_volumes.config import RetryOptions
 from dcp_volumes.goodput import (
@@ -57,12 +66,11 @@ from dcp_volumes.goodput import (
     estimate_failures,
     format_duration,
     measured_costs,
-    read_run_record,
     record_root,
     run_key,
     settle_interval,
-    write_run_record,
 )
+from dcp_volumes.goodput._record import MAX_SAVES
 from dcp_volumes.stats import LoadStats
 
 __all__ = ["MAX_START_AGE_S", "Autopilot", "AutopilotOptions", "process_age_s"]
@@ -141,7 +149,8 @@ class Autopilot:
                                          self._estimate(RunRecord(root="")), self.options,
                                          local_tier=local_tier)
         self._applied: AutoInterval | None = None
-        self._beginning: threading.Thread | None = None  # begin()'s read and write, rank 0
+        self._own: list[SaveSample] = []  # the saves this process measured, in the record
+        self._io = RecordIO(root, storage_options, retry, self.options.record_deadline_s)
 
     @classmethod
     def create(cls, every_seconds: object, local_every_seconds: object,
@@ -172,39 +181,24 @@ class Autopilot:
     # ---- hooks -----------------------------------------------------------------------------
     def begin(self, run_id: str | None) -> None:
         """Constructed, in run ``run_id`` (the Checkpointer's ``RunIdentity.run_id``, or None
-        where only a per-process id names it: the root is then the run): read the record
-        and add this incarnation to it now, so that one which dies before its first save or
-        resume is still counted."""
-        if not self.enabled:
+        where only a per-process id names it: the root is then the run): this incarnation
+        is in the run's figures from now; rank 0 reads the record and writes it back with
+        this incarnation added on a thread of its own, so that one which dies before its
+        first save or resume is still counted."""
+        if not self.enabled or self._record is not None:
             return
         self._run = run_id
         at = self._mono()  # the construction's instant, whenever the thread gets to run
-        if self._rank != 0:  # no I/O: the record is rank 0's
-            self._begin(at)
-            return
-
-        def _read_and_write() -> None:
-            try:
-                self._begin(at)
-            except Exception:  # a bug, not the store's (those are WARNINGs already)
-                logger.warning("autopilot: the run record could not be read at construction; "
-                               "reading it again at the first save or resume", exc_info=True)
-
-        # an exit (without close()) waits for it: this incarnation is in the record
-        self._beginning = record_writes().start(_read_and_write, "dcp-volumes-autopilot-begin")
-
-    def _begun(self) -> None:
-        """Wait for :meth:`begin`'s thread: every hook sees the record as of the construction."""
-        thread = self._beginning
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-            self._beginning = None
+        root = self._record_root()
+        self._add_incarnation(RunRecord(root=root, run_id=run_key(run_id, root)), at)
+        self._update(write=None, at=at)
+        if self._rank == 0:  # no I/O elsewhere: the record is rank 0's
+            self._io.load_soon(lambda: self._load(at))
 
     def policy(self, current: SavePolicy) -> SavePolicy:
         """``current`` with the cadences chosen now (the same object when unchanged)."""
         if not self.enabled:
             return current
-        self._begun()
         with self._lock:
             chosen = self._interval
         if chosen is self._applied:
@@ -222,7 +216,7 @@ class Autopilot:
         if not self.enabled:
             return settle if settle is not None else _nothing
         returned = self._mono()
-        self._begin()
+        self.begin(self._run)
         if settle is None:
             self._saved(kind, returned - started, 0.0, writer)
             return _nothing
@@ -242,7 +236,7 @@ class Autopilot:
         if not self.enabled:
             return
         now = self._mono()
-        self._begin()
+        self.begin(self._run)
         if step is not None:
             local = local_only or (load_stats is not None and load_stats.bytes_needed > 0
                                    and 2 * load_stats.bytes_from_local >= load_stats.bytes_needed)
@@ -256,47 +250,68 @@ class Autopilot:
     def closed(self) -> None:
         """``close()`` after the last save completed: a clean end, not an interruption --
         unless an exception is being handled (``with Checkpointer(...)`` unwinding)."""
-        if not self.enabled:
-            return
-        self._begun()
-        if self._record is None:
+        if not self.enabled or self._record is None:
             return
         if sys.exc_info()[1] is None:
             with self._lock:
                 self._record.incarnations[-1].closed = True
         self._update(write="background")
-        self.flush()  # the clean end is in the store when close() returns
+        self.flush()  # the clean end is in the store when close() returns (or the deadline)
 
     def flush(self) -> None:
-        """Wait for the record's write in flight (``Checkpointer.wait()``)."""
+        """Wait for the record's read and write in flight (``Checkpointer.wait()``), at most
+        what is left of the process's budget (``record_deadline_s``)."""
         if self.enabled and self._rank == 0:
-            self._begun()
-            record_writes().flush(self._root)
+            self._io.flush()
 
     # ---- internals -------------------------------------------------------------------------
-    def _begin(self, at: float | None = None) -> None:
-        """Read the record and add this incarnation, as of monotonic ``at`` (default now);
-        rank 0 has it written. The first hook does it if :meth:`begin`'s thread could not."""
-        self._begun()
-        if self._record is not None:
-            return
-        root = self._record_root()
-        key = run_key(self._run, root)
-        if self._rank != 0:
-            self._add_incarnation(RunRecord(root=root, run_id=key), at)
-            self._update(write=None, at=at)
-            return
-        # after this process's earlier Checkpointers' writes; theirs never miss this one
-        with record_writes().turn(self._root):
-            record = read_run_record(self._root, self._storage_options, self._retry, run=key)
-            self._add_incarnation(record if record is not None
-                                  else RunRecord(root=root, run_id=key), at)
+    def _load(self, at: float) -> None:
+        """On the record's own thread: read the record (bounded), and make it this run's
+        figures with what this incarnation measured meanwhile (as of monotonic ``at``, the
+        construction); a record that fails its checks is rewritten from those alone. A
+        store that does not answer leaves the record as it is (read again at the next
+        write)."""
+        with record_writes().turn(self._root, timeout=self.options.record_deadline_s):
+            got = self._io.read(self._run_key(), now=self._now(),
+                                max_interval_s=self.options.max_interval_s)
+            if got.record is None and got.outcome in ("failed", "timed out"):
+                return
+            with self._lock:
+                assert self._record is not None
+                self._record = self._merged(got.record or RunRecord(
+                    root=self._record.root, run_id=self._record.run_id), at)
             self._update(write="background", at=at)
+
+    def _run_key(self) -> str:
+        assert self._record is not None
+        return self._record.run_id
+
+    def _merged(self, base: RunRecord, at: float) -> RunRecord:
+        """``base`` (read) with this incarnation and its measurements so far (under the
+        lock), on the record's clock: a start moved by :meth:`_start_after` moves them too."""
+        assert self._record is not None
+        mine = self._record
+        inc = mine.incarnations[-1]
+        wall0, mono0 = self._started, self._started_mono
+        base.gpus = self._gpus
+        if base.incarnations and base.incarnations[-1].last_seen > self._started:
+            self._start_after(base.incarnations[-1].last_seen, at)
+        d_mono = self._started_mono - mono0
+        d_wall = self._started - wall0 - d_mono
+        base.add_incarnation(Incarnation(self._started, max(inc.last_seen + d_wall,
+                                                            self._started),
+                                         closed=inc.closed, interval_s=inc.interval_s))
+        own = [dataclasses.replace(s, at=s.at + d_wall) for s in mine.saves]
+        for sample in own:
+            base.add_save(sample)
+        for r in mine.restores:
+            base.add_restore(dataclasses.replace(
+                r, at=r.at + d_wall, start_to_train_s=max(0.0, r.start_to_train_s - d_mono)))
+        self._own = own
+        return base
 
     def _add_incarnation(self, record: RunRecord, at: float | None) -> None:
         record.gpus = self._gpus
-        if record.incarnations and record.incarnations[-1].last_seen > self._started:
-            self._start_after(record.incarnations[-1].last_seen, at)
         now = self._now(at)
         record.add_incarnation(Incarnation(self._started, max(now, self._started),
                                            interval_s=self._interval.every_s))
@@ -333,8 +348,10 @@ class Autopilot:
         with self._lock:
             assert self._record is not None
             self._saves_seen += 1
-            self._record.add_save(SaveSample(kind, blocking_s, background_s, nbytes,
-                                             self._now(), first=self._saves_seen == 1))
+            sample = SaveSample(kind, blocking_s, background_s, nbytes, self._now(),
+                                first=self._saves_seen == 1)
+            self._record.add_save(sample)
+            self._own = [*self._own, sample][-MAX_SAVES:]
         self._update(write="background" if kind == "durable" else None)
 
     def _estimate(self, record: RunRecord, at: float | None = None) -> Any:
@@ -351,7 +368,7 @@ class Autopilot:
             inc = record.incarnations[-1]
             inc.last_seen = max(inc.last_seen, self._now(at))
             inc.interval_s = self._interval.every_s
-            new = choose_interval(measured_costs(record, self.options.window),
+            new = choose_interval(measured_costs(record, self.options.window, own=self._own),
                                   self._estimate(record, at), self.options,
                                   local_tier=self._local_tier)
             chosen = settle_interval(self._interval, new, self.options)
@@ -362,11 +379,7 @@ class Autopilot:
             return
         with self._lock:  # the state as it is now: a newer snapshot supersedes it
             snapshot = copy.deepcopy(record)
-
-        def _write() -> None:
-            write_run_record(self._root, self._storage_options, self._retry, snapshot)
-
-        record_writes().submit(self._root, _write)  # the newest snapshot of the root wins
+        self._io.write_soon(snapshot)
 
     def _log(self, chosen: AutoInterval) -> None:
         local = ("" if chosen.local_every_s is None
@@ -381,10 +394,11 @@ class Autopilot:
         """The current cadences and why, the measured costs, the failure estimate."""
         if not self.enabled:
             return {}
-        self._begun()
         with self._lock:
             record = self._record or RunRecord(root="")
             estimate = self._estimate(record)
             return {"interval": self._interval.to_dict(),
-                    "costs": measured_costs(record, self.options.window).to_dict(),
-                    "failures": estimate.to_dict(), "run_id": record.run_id}
+                    "costs": measured_costs(record, self.options.window,
+                                            own=self._own).to_dict(),
+                    "failures": estimate.to_dict(), "run_id": record.run_id,
+                    "record": self._io.stats()}

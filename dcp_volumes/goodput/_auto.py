@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +30,16 @@ from dcp_volumes.goodput._estimate import (
     check_trust,
 )
 from dcp_volumes.goodput._model import FailureModel, expected_goodput
-from dcp_volumes.goodput._record import RunRecord
+from dcp_volumes.goodput._record import RunRecord, SaveSample
 from dcp_volumes.goodput._two_level import TierCosts, two_level_intervals_s
 
-__all__ = ["AutoInterval", "AutopilotOptions", "MeasuredCosts", "choose_interval",
-           "measured_costs",
-           "settle_interval"]
+__all__ = ["RECORD_DEADLINE_S", "AutoInterval", "AutopilotOptions", "MeasuredCosts",
+           "choose_interval", "measured_costs", "settle_interval", "trusted_saves"]
 
 #: a durable save is started no sooner than this share above its completion time
 QUEUE_MARGIN = 1.1
+#: the longest a read or a write of the run record takes, and close() and the exit wait
+RECORD_DEADLINE_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +66,10 @@ class AutopilotOptions:
         started_at: When this incarnation started (wall clock, ``time.time()``); default:
             the process's start. A launcher that keeps warm spare processes passes the time
             it released this one, so the wait is neither exposure nor restart cost.
+        record_deadline_s: The longest one read or one write of the run record may take
+            (retries included: a store that hangs is given up on, counted in ``stats``),
+            and the longest ``close()`` and the process's exit wait for the record, both
+            together. The training loop never waits for the record.
     """
 
     failure_model: FailureModel | None = None
@@ -75,6 +81,7 @@ class AutopilotOptions:
     window: int = 8
     initial_interval_s: float = 1.0
     started_at: float | None = None
+    record_deadline_s: float = RECORD_DEADLINE_S
 
     def __post_init__(self) -> None:
         if self.failure_model is not None and not isinstance(self.failure_model, FailureModel):
@@ -86,6 +93,7 @@ class AutopilotOptions:
         if lo > hi:
             raise ConfigError(f"min_interval_s ({lo:g}) is above max_interval_s ({hi:g})")
         positive("initial_interval_s", self.initial_interval_s, at_most=MAX_DURATION_S)
+        positive("record_deadline_s", self.record_deadline_s, at_most=3600.0)
         if self.started_at is not None:
             positive("started_at", self.started_at, at_most=1e10)
         if not 0 <= self.change_threshold < 1:
@@ -119,16 +127,21 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
-    """The costs in ``record``: medians of the newest ``window`` samples of each kind."""
+def measured_costs(record: RunRecord, window: int = 8, *,
+                   own: Collection[SaveSample] = ()) -> MeasuredCosts:
+    """The costs in ``record``: medians of the newest ``window`` samples of each kind.
+    ``own``: the saves this process measured (objects of ``record.saves``), which replace
+    the record's claims (:func:`trusted_saves`)."""
+    saves = trusted_saves(record.saves, own)
+
     def newest(kind: str) -> list[Any]:
         # an incarnation's first save also pays one-time setup: steady saves when there are
-        saves = [s for s in record.saves if s.kind == kind]
-        return ([s for s in saves if not s.first] or saves)[-window:]
+        of_kind = [s for s in saves if s.kind == kind]
+        return ([s for s in of_kind if not s.first] or of_kind)[-window:]
 
     durable, local = newest("durable"), newest("local-only")
     # what an incarnation's first save blocks beyond a steady one is paid once per restart
-    firsts = [s.blocking_s for s in record.saves if s.kind == "durable" and s.first][-window:]
+    firsts = [s.blocking_s for s in saves if s.kind == "durable" and s.first][-window:]
     steady = [s.blocking_s for s in durable if not s.first]
     first_extra = (max(0.0, statistics.median(firsts) - statistics.median(steady))
                    if firsts and steady else 0.0)
@@ -149,6 +162,28 @@ def measured_costs(record: RunRecord, window: int = 8) -> MeasuredCosts:
         local_survives=min((1 + from_local) / (2 + len(restores)), 0.95),
         saves=len(record.saves), restores=len(record.restores),
     )
+
+
+def trusted_saves(saves: list[SaveSample], own: Collection[SaveSample]) -> list[SaveSample]:
+    """``saves`` without the claims this process's measurements (``own``) replace.
+
+    A save in the record that this process did not measure is a claim. It counts until this
+    process measures a save of its sort (kind, first of an incarnation or steady), and a
+    claimed steady save that took longer in all than this process's first save of its kind
+    counts no more from that first save (a first save pays one-time setup on top of a
+    steady one's work): a claimed cost lasts one interval at most, a claim of the same
+    sort as what was measured none."""
+    if not own:
+        return saves
+    mine = {id(s) for s in own}
+    measured = {(s.kind, s.first) for s in own}
+    ceiling: dict[str, float] = {}
+    for s in own:
+        if s.first:
+            ceiling[s.kind] = max(ceiling.get(s.kind, 0.0), s.blocking_s + s.background_s)
+    return [s for s in saves if id(s) in mine or (
+        (s.kind, s.first) not in measured
+        and (s.first or s.blocking_s + s.background_s <= ceiling.get(s.kind, math.inf)))]
 
 
 @dataclass(frozen=True, kw_only=True)

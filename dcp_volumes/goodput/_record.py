@@ -111,6 +111,10 @@ class RunRecord:
     incarnations: list[Incarnation] = field(default_factory=list)
     earlier_interruptions: int = 0
     earlier_exposure_s: float = 0.0
+    #: how many incarnations were folded into the two counts above
+    earlier_incarnations: int = 0
+    #: the run's first incarnation's start, kept once it is folded (None: the first kept one's)
+    first_started: float | None = None
 
     def add_save(self, sample: SaveSample) -> None:
         self.saves = [*self.saves, sample][-MAX_SAVES:]
@@ -123,9 +127,19 @@ class RunRecord:
         self.incarnations.append(inc)
         while len(self.incarnations) > MAX_INCARNATIONS:
             n, t = _span(self.incarnations[0], self.incarnations[1].started)
+            if self.first_started is None:
+                self.first_started = self.incarnations[0].started
             self.earlier_interruptions += n
+            self.earlier_incarnations = min(self.earlier_incarnations + 1, _MAX_COUNT)
             self.earlier_exposure_s = min(self.earlier_exposure_s + t, MAX_DURATION_S)
             self.incarnations.pop(0)
+
+    def first(self) -> float | None:
+        """When the run's first incarnation started, as far as the record says (None: it
+        holds no incarnation)."""
+        if self.first_started is not None:
+            return self.first_started
+        return self.incarnations[0].started if self.incarnations else None
 
     def evidence(self, now: float) -> tuple[int, float]:
         """Interruptions and exposure (seconds of running time), the running incarnation
@@ -261,13 +275,24 @@ def parse_record(data: bytes, *, root: str,
     incs = _entries(doc, "incarnations", MAX_INCARNATIONS, _incarnation, problems)
     record.incarnations = sorted(incs, key=lambda i: i.started)
     try:
-        record.earlier_interruptions = int(_num(doc.get("earlier_interruptions", 0), 0,
-                                                _MAX_COUNT))
-        record.earlier_exposure_s = _duration(doc.get("earlier_exposure_s", 0.0))
         record.gpus = int(_num(doc.get("gpus", 1), 1, MAX_GPUS))
     except (ValueError, TypeError):
-        problems.append("earlier counts or gpus: invalid, dropped")
+        problems.append("gpus: invalid, dropped")
+    try:
+        _folded(doc, record)
+    except (ValueError, TypeError):
+        problems.append("earlier counts or first start: invalid, dropped")
     return record, problems
+
+
+def _folded(doc: dict[str, Any], record: RunRecord) -> None:
+    """The folded incarnations' counts and the run's first start, all or none."""
+    first = doc.get("first_started")
+    n = int(_num(doc.get("earlier_interruptions", 0), 0, _MAX_COUNT))
+    t = _duration(doc.get("earlier_exposure_s", 0.0))
+    k = int(_num(doc.get("earlier_incarnations", 0), 0, _MAX_COUNT))
+    record.first_started = None if first is None else _wall(first)
+    record.earlier_interruptions, record.earlier_exposure_s, record.earlier_incarnations = n, t, k
 
 
 def _refuse_constant(name: str) -> Any:

@@ -101,6 +101,7 @@ def test_auto_end_to_end(where: tuple[str, dict[str, Any]], async_save: bool,
                          async_save=async_save, clock=clock)
     step = again.load_latest(state_at(0))
     assert step == saved[-1]
+    again.wait()  # its read of the record has landed (no hook waits for it)
     st = again.stats
     assert st["failures"]["interruptions"] == 1 and st["costs"]["restores"] == 1
     assert st["costs"]["saves"] == min(len(saved), 32)  # read back from the record
@@ -109,6 +110,7 @@ def test_auto_end_to_end(where: tuple[str, dict[str, Any]], async_save: bool,
     third = Checkpointer(root, storage_options=opts, every_seconds="auto", autopilot=PRIOR,
                          clock=clock)
     third.load_latest(state_at(0))
+    third.wait()
     assert third.stats["failures"]["interruptions"] == 1
     assert third.stats["run_id"] == st["run_id"]
     third.close()
@@ -193,11 +195,13 @@ def test_one_run_id_for_the_lease_and_the_record(tmp_path: Path,
     assert doc["run_id"].isalnum() and len(doc["run_id"]) == 32
     again = _auto(root, clock, run_id=odd)
     assert again.load_latest(state_at(0)) is not None
+    again.wait()  # its read of the record has landed (no hook waits for it)
     assert again.stats["costs"]["saves"] == len(doc["saves"])  # the history kept
     assert again.stats["run_id"] == doc["run_id"]
     again.close()
     caplog.set_level(logging.WARNING)
     other = _auto(root, clock, run_id="another-run")
+    other.wait()
     assert other.stats["costs"]["saves"] == 0  # another run's figures are not this one's
     assert any("another run" in r.message for r in caplog.records)
     other.close()
@@ -212,7 +216,9 @@ def test_one_run_id_for_the_lease_and_the_record(tmp_path: Path,
     doc = json.loads(_record(root, {}))
     assert len(doc["incarnations"]) == 2 and all(i["closed"] for i in doc["incarnations"])
     assert len(doc["saves"]) == len(saved) >= 1
-    assert _auto(root, clock).stats["costs"]["saves"] == len(saved)
+    last = _auto(root, clock)
+    last.wait()
+    assert last.stats["costs"]["saves"] == len(saved)
 
 
 def test_an_incarnation_that_dies_before_its_first_save_is_counted(tmp_path: Path) -> None:
@@ -228,5 +234,6 @@ def test_an_incarnation_that_dies_before_its_first_save_is_counted(tmp_path: Pat
     del dies_restoring  # killed before load_latest returned
     third = _auto(root, clock)
     assert third.load_latest(state_at(0)) is not None
+    third.wait()
     assert third.stats["failures"]["interruptions"] == 2
     third.close()

@@ -50,10 +50,14 @@ class Clocks:
         self.wall_t += seconds
 
 
-def _pilot(root: Path, clocks: Clocks, **kw: Any) -> Autopilot:
+def _pilot(root: Path, clocks: Clocks, *, settle: bool = True, **kw: Any) -> Autopilot:
+    """An autopilot constructed now; ``settle``: its read of the record has landed (the
+    hooks do not wait for it)."""
     pilot = Autopilot(str(root), {}, None, OPTS, local_tier=False, wall=clocks.wall,
                       monotonic=clocks.mono, **kw)
     pilot.begin(None)
+    if settle:
+        pilot.flush()
     return pilot
 
 
@@ -162,7 +166,7 @@ def test_the_construction_does_not_wait_for_the_store(tmp_path: Path) -> None:
     holder.start()
     assert held.wait(30.0)
     clocks.advance(4.0)
-    second = _pilot(run, clocks, age_s=2.0)  # returns with its read held up
+    second = _pilot(run, clocks, settle=False, age_s=2.0)  # returns with its read held up
     assert len(json.loads((run / RECORD_NAME).read_bytes())["incarnations"]) == 1
     clocks.advance(50.0)  # the read runs 50 s later
     release.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -22,21 +23,22 @@ from dcp_volumes.goodput import (
 )
 from dcp_volumes.goodput._record import RECORD_NAME
 
-T0 = 1.8e9
+T0 = time.time() - 86400.0  # a day ago: a record's times are never in the future
 
 
 @pytest.fixture
 def run_root(tmp_path: Path) -> str:
     """A run of 4 GPUs: 4 durable saves blocking 2 s (uploads 0), resumes 30 s to training,
-    3 interruptions over 3 × 100 s + the running incarnation's 100 s."""
+    3 interruptions over 3 × 100 s + the running incarnation's 100 s (each resume and save
+    within its incarnation, as a run writes them)."""
     from dcp_volumes.backends import open_backend
 
     root = str(tmp_path / "run")
     (tmp_path / "run").mkdir()
     record = RunRecord(root=record_root(open_backend(root, {})), gpus=4)
     for i in range(4):
-        record.add_save(SaveSample("durable", 2.0, 0.0, 1 << 20, T0 + i))
-        record.add_restore(RestoreSample(10.0, 30.0, "store", T0 + i))
+        record.add_save(SaveSample("durable", 2.0, 0.0, 1 << 20, T0 + 1000 * i + 50))
+        record.add_restore(RestoreSample(10.0, 30.0, "store", T0 + 1000 * i + 40))
     for i in range(4):  # each seen 100 s after its start, with a 0 s interval: dies then
         record.add_incarnation(Incarnation(T0 + 1000 * i, T0 + 1000 * i + 100, interval_s=0.0))
     assert write_run_record(root, {}, None, record)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -112,11 +113,37 @@ def test_an_exit_waits_for_a_started_turn_and_the_write_it_submits() -> None:
             assert release.wait(WAIT_S)
             writes.submit("a", lambda: done.append("incarnation"))
 
-    thread = writes.start(begin, "test-begin")
-    assert not writes.flush_at_exit(timeout=0.05) and done == []  # held: the wait is bounded
+    thread = writes.start(begin, "test-begin", "a")
+    assert not writes.flush(timeout=0.05) and done == []  # held: the wait is bounded
     release.set()
-    assert writes.flush_at_exit(timeout=WAIT_S) and done == ["incarnation"]
+    assert writes.flush_at_exit() and done == ["incarnation"]
     assert not thread.is_alive()
+
+
+def test_close_and_the_exit_share_one_budget() -> None:
+    """A store that hangs: ``close()``'s wait spends the budget, and the exit does not wait
+    for the same write again (it waited 121 s + 187 s before); once the writes are done, the
+    next wait has the whole budget again."""
+    budget = 2.0
+    writes = RecordWrites(budget_s=budget)
+    done: list[str] = []
+    release = _held_write(writes, "a", done, "hung")
+    began = time.monotonic()
+    assert not writes.flush("a")  # close(): the whole budget, then it gives up
+    assert time.monotonic() - began >= budget * 0.9
+    began = time.monotonic()
+    assert not writes.flush_at_exit()  # the exit: nothing left to wait
+    assert time.monotonic() - began < budget / 2
+    release.set()
+    deadline = time.monotonic() + WAIT_S
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == ["hung"] and writes.flush_at_exit()  # done: the budget is whole again
+    release = _held_write(writes, "a", done, "hung again")
+    began = time.monotonic()
+    assert not writes.flush("a")
+    assert time.monotonic() - began >= budget * 0.9
+    release.set()
 
 
 def test_a_turn_that_stops_waiting_is_still_held_after_the_first_ends(
@@ -141,3 +168,30 @@ def test_a_turn_that_stops_waiting_is_still_held_after_the_first_ends(
         thread.join(WAIT_S)
         assert not writes.flush("a", timeout=0.05)  # this turn still holds it
     assert writes.flush("a", timeout=WAIT_S)
+
+
+def test_started_reads_of_one_key_take_their_turns_in_order() -> None:
+    """Two Checkpointers of one root in a process, the second constructed while the first's
+    read has not begun (the process killed the first before its restart finished): the
+    second's read waits for the first's turn, so it sees the first's incarnation (the
+    integration test of an incarnation that dies in its restart was flaky without it)."""
+    writes = RecordWrites()
+    order: list[str] = []
+    go_first, second_waits = threading.Event(), threading.Event()
+
+    def first() -> None:
+        assert go_first.wait(WAIT_S)  # its thread got no CPU yet
+        with writes.turn("a"):
+            order.append("first")
+
+    def second() -> None:
+        second_waits.set()
+        with writes.turn("a"):
+            order.append("second")
+
+    writes.start(first, "first", "a")
+    writes.start(second, "second", "a")
+    assert second_waits.wait(WAIT_S)
+    assert not writes.flush("a", timeout=0.1) and order == []
+    go_first.set()
+    assert writes.flush("a", timeout=WAIT_S) and order == ["first", "second"]
