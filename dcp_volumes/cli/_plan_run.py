@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from dcp_volumes.backends import redact_url
 from dcp_volumes.cli._options import storage_options_for
-from dcp_volumes.errors import ConfigError
+from dcp_volumes.errors import ConfigError, DCPVolumesError, DownloadError
 
 if TYPE_CHECKING:
-    from dcp_volumes.goodput import FailureEstimate, FailureModel, MeasuredCosts, Plan
+    from dcp_volumes.goodput import FailureEstimate, FailureModel, MeasuredCosts, Plan, RunRecord
 
 __all__ = ["run_from_run"]
 
@@ -34,7 +34,6 @@ def run_from_run(args: argparse.Namespace,
         default_prior,
         estimate_failures,
         measured_costs,
-        read_run_record,
     )
 
     used = [f"--{n.replace('_', '-')}" for n in _NOT_WITH if getattr(args, n) is not None]
@@ -42,11 +41,7 @@ def run_from_run(args: argparse.Namespace,
         raise ConfigError(f"{', '.join(used) or '--restart-cost-s'} does not apply with "
                           "--from-run: the costs are the run's measured ones")
     root = args.from_run
-    record = read_run_record(root, storage_options_for(args, root))
-    if record is None:
-        raise ConfigError(f"no usable run record under {redact_url(root)}: it is written by "
-                          "Checkpointer(every_seconds=\"auto\") (a WARNING above says why one "
-                          "was ignored)")
+    record = _record(root, storage_options_for(args, root))
     gpus = args.gpus or record.gpus
     model = prior_model(gpus)
     prior = FailurePrior.from_model(model) if model is not None else default_prior(gpus)
@@ -63,6 +58,23 @@ def run_from_run(args: argparse.Namespace,
                    "costs": costs.to_dict(), "failures": estimate.to_dict(),
                    "auto": auto.to_dict()}}
     return emit(plan, _summary(costs, estimate, auto.every_s), doc)
+
+
+def _record(root: str, storage_options: dict[str, Any]) -> RunRecord:
+    """The run's record; a store that refused or failed the read raises its own error (what
+    it answered, never the credentials), a missing or unusable record a ConfigError."""
+    from dcp_volumes.goodput._store import load_run_record
+
+    got = load_run_record(root, storage_options)
+    if got.error is not None:
+        kind = type(got.error) if isinstance(got.error, DCPVolumesError) else DownloadError
+        raise kind(f"the run record under {redact_url(root)} could not be read: "
+                   f"{got.error}") from got.error
+    if got.record is None:
+        raise ConfigError(f"no usable run record under {redact_url(root)}: it is written by "
+                          "Checkpointer(every_seconds=\"auto\") (a WARNING above says why one "
+                          "was ignored)")
+    return got.record
 
 
 def _plan(args: argparse.Namespace, gpus: int, costs: MeasuredCosts,
