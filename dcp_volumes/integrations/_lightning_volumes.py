@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 import dcp_volumes
 from dcp_volumes import catalog, errors
-from dcp_volumes.backends import StoreLocation, redact_url
+from dcp_volumes.backends import StoreLocation, open_backend, redact_url
 from dcp_volumes.checkpointer import Checkpointer
 
 __all__ = ["META_KEY", "STEP_FORMAT", "Volumes", "checkpoint_options", "latest_checkpoint",
@@ -100,7 +100,13 @@ def latest_checkpoint(root: str | os.PathLike[str], *,
 class Volumes:
     """What both strategies share: the run's :class:`~dcp_volumes.Checkpointer` (made on first
     use, once the process group exists: it creates groups of its own), the step of a save,
-    and one DCP load of model + optimizers + metadata."""
+    and one DCP load of model + optimizers + metadata.
+
+    Raises:
+        BucketNotFoundError: the bucket or container of ``root`` does not exist (checked at
+            construction, by each process that makes one).
+        StoragePermissionError: the store refused the credentials.
+    """
 
     def __init__(self, root: str | os.PathLike[str], storage_options: dict[str, Any] | None,
                  options: dict[str, Any]) -> None:
@@ -114,6 +120,10 @@ class Volumes:
         catalog.check_count("keep_last", options.get("keep_last"))
         catalog.check_count("keep_every", options.get("keep_every"))
         self.options = options
+        # the Checkpointer is made at the first save, an epoch of training from now: a
+        # missing bucket or refused credentials fail here instead (one request)
+        backend = open_backend(self.root, self.storage_options, options.get("retry"))
+        backend.run(backend.check_bucket)
         # made on first use: the Checkpointer creates process groups (every rank, once)
         self._checkpointer: Checkpointer | None = None
         #: what resume_path() returned last: loading it falls back past damaged checkpoints

@@ -158,11 +158,19 @@ def manager_config(url: str, *, storage_options: dict[str, Any] | None = None,
         pre_finalize_callback: yours, if any: it runs first, then the rank's files are
             recorded (:func:`record_rank_files`).
         fields: ``CheckpointManager.Config`` fields (``items=``, ``save=``, ...).
+
+    Raises:
+        BucketNotFoundError: the bucket or container of ``url`` does not exist (one
+            request: the async saver would find it only in its writer process, at the first
+            save).
+        StoragePermissionError: the store refused the credentials.
     """
     writer = getattr(fields.get("save"), "writer_config", None)
     prefix = {"temp_dir_prefix": writer.temp_dir_prefix} if writer is not None else {}
     config = VolumeStorageConfig(url=url, storage_options=storage_options,
                                  **{**prefix, **(storage or {})})
+    backend = open_backend(url, storage_options, config.retry)
+    backend.run(backend.check_bucket)
     callback = (record_rank_files if pre_finalize_callback is None
                 else _ThenRecord(pre_finalize_callback))
     return CheckpointManager.Config(storage_config=config, pre_finalize_callback=callback,

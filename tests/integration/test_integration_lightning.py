@@ -482,3 +482,31 @@ def test_dataclass_hyperparameters_survive_a_resume(scenario: dict[str, Any]) ->
     assert re.search(r"references \S*\.HParams,", refused["message"]), refused["message"]
     assert resumed["error"] is None, resumed["message"]  # was KeyError: 'state' (SGD)
     assert resumed["start_step"] == BATCHES * 2 and resumed["hparams"] == saved
+
+
+def test_a_missing_bucket_fails_at_construction(seaweedfs: Any) -> None:
+    """Issue 37, finding 8.4: the strategies and ``VolumeCheckpointIO`` made their
+    Checkpointer at the first save, so a missing bucket was found after an epoch of training;
+    now the constructor checks it (one request), before ``fit``."""
+    from dcp_volumes import errors
+    from dcp_volumes.integrations.lightning import (
+        VolumeCheckpointIO,
+        VolumeFabricModelParallelStrategy,
+        VolumeModelParallelStrategy,
+    )
+
+    store = seaweedfs.store()
+    assert store.missing_bucket_root is not None
+    root, opts = f"{store.missing_bucket_root}/run", store.storage_options
+    makers = {
+        "VolumeCheckpointIO": lambda: VolumeCheckpointIO(root, storage_options=opts),
+        "VolumeModelParallelStrategy": lambda: VolumeModelParallelStrategy(
+            root, storage_options=opts),
+        "VolumeFabricModelParallelStrategy": lambda: VolumeFabricModelParallelStrategy(
+            root, lambda model, mesh: model, storage_options=opts),
+    }
+    for name, make in makers.items():
+        with pytest.raises(errors.BucketNotFoundError, match="does not exist.*create it") \
+                as info:
+            make()
+        assert "no-such-bucket" in str(info.value), name

@@ -349,3 +349,15 @@ def test_the_library_still_commits_by_directory_rename_and_exists() -> None:
     assert "if not self._storage.exists(checkpoint_dir):" in read
     gather = inspect.getsource(DefaultMetadataManager._all_gather_pickled_data)
     assert 'device="cuda"' in gather  # multi-rank resharding metadata needs CUDA
+
+
+def test_a_missing_bucket_fails_when_the_config_is_built(seaweedfs: Any) -> None:
+    """Issue 37, finding 8.4: a missing bucket went unnoticed by ``manager_config`` and
+    ``CheckpointManager``; the default async saver then failed in its writer process at the
+    first save, while ``manager.save`` returned. Now ``manager_config`` checks it."""
+    store = seaweedfs.store()
+    assert store.missing_bucket_root is not None
+    with pytest.raises(errors.BucketNotFoundError, match="does not exist.*create it") as info:
+        manager_config(f"{store.missing_bucket_root}/run",
+                       storage_options=store.storage_options)
+    assert "no-such-bucket" in str(info.value)
