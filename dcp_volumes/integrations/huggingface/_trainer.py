@@ -75,7 +75,11 @@ class VolumeTrainer(ResumingTrainer):
         BucketNotFoundError: the bucket of ``checkpoint_root`` does not exist (checked here,
             not at the first save).
         RootInUseError: (from ``train``) another live run saves under ``checkpoint_root``;
-            a run resuming is refused before it loads anything.
+            a run is refused before it trains or loads anything.
+        CheckpointExistsError: (from ``train``) a fresh start (``resume_from_checkpoint``
+            ``None`` or ``False``) on a ``checkpoint_root`` that holds complete
+            checkpoints: its saves would replace them one step at a time while the newer
+            ones stay the newest. Resume from them, or use another root.
     """
 
     def __init__(self, *args: Any, checkpoint_root: str | os.PathLike[str],
@@ -154,6 +158,8 @@ class VolumeTrainer(ResumingTrainer):
         """``Trainer.train``; ``resume_from_checkpoint`` is ``True`` (the newest complete
         checkpoint under ``checkpoint_root``), a checkpoint URL, or ``None``/``False``."""
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            self.checkpointer.claim()  # a second live run is refused before it trains
+            self._check_fresh(resume_from_checkpoint)  # and a fresh one over checkpoints
             out = super().train(None, trial, ignore_keys_for_eval, **kwargs)
         else:
             self.checkpointer.claim()  # a second run on the root is refused before it loads

@@ -82,6 +82,27 @@ class ResumingTrainer(Trainer):
                                      step_pattern=STEP_PATTERN, process_group=self._group)
         return self._found.url if self._found is not None else None
 
+    def _check_fresh(self, resume: None | Literal[False]) -> None:
+        """Refuse a fresh start on a root that holds complete checkpoints (one listing, on
+        rank 0, broadcast). Its saves would replace them one step at a time, the newer ones
+        staying the newest: a resume in between would continue the other run, and retention
+        would remove this run's saves first.
+
+        Raises:
+            CheckpointExistsError: there is one; the message names the newest.
+        """
+        found = catalog.latest(self.checkpoint_root, storage_options=self._storage_options,
+                               step_pattern=STEP_PATTERN, process_group=self._group)
+        if found is None:
+            return
+        raise errors.CheckpointExistsError(
+            f"{redact_url(self.checkpoint_root)} already holds complete checkpoints (the "
+            f"newest is {found.name}), and train(resume_from_checkpoint={resume!r}) starts "
+            "fresh: its saves would replace them one step at a time while the newer ones "
+            "stay the newest, so a resume in between would continue the other run. Resume "
+            "from them (train(resume_from_checkpoint=trainer.resume_path())), use another "
+            "checkpoint_root, or remove them first (dcp-volumes rm)")
+
     def _train_resumed(self, resume: str | bool, *args: Any, **kwargs: Any) -> Any:
         """The stock ``train`` from the checkpoint named, or from the newest one under the
         root that verifies (the Checkpointer's resume loop; also for the URL that
