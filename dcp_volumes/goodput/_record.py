@@ -4,12 +4,15 @@ One small JSON object under the run root (:data:`RECORD_NAME`), written by rank 
 Checkpointer (``every_seconds="auto"``) and read back by the next incarnation of the run and by
 ``dcp-volumes plan --from-run``. Bounded: the newest :data:`MAX_SAVES` saves,
 :data:`MAX_RESTORES` restores and :data:`MAX_INCARNATIONS` incarnations are kept, older
-incarnations folded into one count of interruptions and exposure.
+incarnations folded into counts (how many, their interruptions and exposure) and the run's
+first start.
 
 The bytes are untrusted like everything read from a store: :func:`parse_record` refuses more
 than :data:`MAX_RECORD_BYTES`, a record of another root or format, and drops each entry whose
-numbers are not finite and in range; the caller logs the reasons as one WARNING and goes on
-with what is left (or a fresh record): a record never fails a save or a resume.
+numbers are not finite and in range; :func:`~dcp_volumes.goodput._judge.judge_record` then
+judges the whole against the clock and its own span. The caller logs the reasons as one
+WARNING and goes on with what is left, or a fresh record where the record fails as a whole: a
+record never fails a save or a resume.
 """
 
 from __future__ import annotations
