@@ -78,7 +78,9 @@ class RangeAnswer:
 
     def came(self) -> str:
         """The answer in words: status, Content-Range, Content-Length."""
-        cr = f"Content-Range {self.content_range!r}" if self.content_range else "no Content-Range"
+        # a header of an untrusted answer: quoted, and cut to what a range can need
+        cr = (f"Content-Range {self.content_range[:80]!r}" if self.content_range
+              else "no Content-Range")
         cl = ("no Content-Length" if self.content_length is None
               else f"Content-Length {self.content_length}")
         return f"HTTP {self.status}, {cr}, {cl}"
@@ -126,6 +128,7 @@ class RangeAnswer:
         return length
 
     def mismatch(self, why: str) -> errors.RangeMismatchError:
+        """The error of this answer, which is not the bytes asked for (``why``)."""
         return errors.RangeMismatchError(
             f"GET of {self.asked} of {redact_url(self.url)} was answered with {self.came()}: "
             f"{why}. Its bytes are not used; a store or proxy that does not honour HTTP Range "
