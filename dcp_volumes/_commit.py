@@ -30,7 +30,6 @@ from dcp_volumes._commit_read import (
 )
 from dcp_volumes._manifest import Manifest
 from dcp_volumes.backends import Backend, CallStats, redact_url
-from dcp_volumes.backends.local import LocalBackend
 
 __all__ = [
     "check_durable",
@@ -78,7 +77,8 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
     ``.metadata`` only if it is still that damaged one. A reader sees the damaged
     ``.metadata`` or this save's, complete: never a mix. A claim left by a killed save is a
     ``.metadata.*.tmp`` that gc removes. ``damaged`` :data:`NOT_REGULAR`: what stands there
-    is removed first (:func:`_remove_not_regular`), then ``.metadata`` created.
+    is removed first (``Backend.remove_entry``: the entry itself, never what a link points
+    to), then ``.metadata`` created.
     """
     claim = f"{METADATA}.replacing-{damaged[:32]}.tmp"
     taken = (f"Checkpoint already exists: {redact_url(backend.url)}'s damaged .metadata was "
@@ -100,7 +100,7 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
         if damaged == NOT_REGULAR:
             # Exclusive after the removal: a save that did not take the claim and created
             # .metadata meanwhile wins, and this one loses (never replaces a commit).
-            await _remove_not_regular(backend)
+            await backend.remove_entry(METADATA)
             await _commit_metadata(backend, metadata_bytes, exclusive=True, save_id=save_id,
                                    stats=stats)
         else:
@@ -108,21 +108,6 @@ async def _replace_damaged(backend: Backend, metadata_bytes: bytes, *, damaged: 
                                  stats=stats)
     finally:
         await remove_quietly(backend, [claim])
-
-
-async def _remove_not_regular(backend: Backend) -> None:
-    """Remove what stands where ``.metadata`` belongs when it is not a regular object, and
-    only that: on local disk the entry itself (a link, never what it points to; a FIFO; a
-    directory with what is under it, links in it never followed); on object stores the keys
-    under ``.metadata/``, then the empty directory a store with real ones keeps (SeaweedFS's
-    filer refuses to create ``.metadata`` beside it), by its ``.metadata/`` key."""
-    if isinstance(backend, LocalBackend):
-        await backend.remove_entry(METADATA)
-        return
-    prefix = f"{METADATA}/"
-    await backend.remove([o.name for o in await backend.scan() if o.name.startswith(prefix)])
-    if await metadata_kind(backend) not in (None, "file"):
-        await backend.remove([prefix])
 
 
 async def _version_now(backend: Backend, stats: CallStats) -> str | None:
@@ -175,7 +160,7 @@ async def _overwrite(backend: Backend, metadata_bytes: bytes, *, save_id: str,
     except errors.DCPVolumesError:
         if await metadata_kind(backend) in (None, "file"):
             raise
-        await _remove_not_regular(backend)
+        await backend.remove_entry(METADATA)
         await _commit_metadata(backend, metadata_bytes, exclusive=False, save_id=save_id,
                                stats=stats)
 

@@ -19,7 +19,6 @@ from dcp_volumes import _layout, errors
 from dcp_volumes._manifest import Manifest
 from dcp_volumes._metadata import load_metadata, metadata_save_id, volume_save_id
 from dcp_volumes.backends import Backend, CallStats, redact_url
-from dcp_volumes.backends.local import LocalBackend
 
 __all__ = [
     "MAX_MANIFEST_BYTES",
@@ -181,12 +180,7 @@ async def metadata_kind(backend: Backend, stats: CallStats | None = None) -> str
     to, anything but a regular object is no committed save: such a step is not complete
     (:mod:`dcp_volumes._complete`) and a save of it removes the entry
     (:func:`dcp_volumes._commit.commit`). The same lookup a size takes (``info``)."""
-    if isinstance(backend, LocalBackend):
-        return await backend.entry_kind(METADATA)
-    info = await backend.info(METADATA, stats=stats)
-    if info is None:
-        return None
-    return "file" if info.get("type", "file") == "file" else "a prefix with keys under it"
+    return await backend.entry_kind(METADATA, stats=stats)
 
 
 def metadata_version(data: bytes) -> str:

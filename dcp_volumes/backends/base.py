@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import fsspec.asyn
 
 from dcp_volumes import errors
+from dcp_volumes.backends.entries import Entries
 from dcp_volumes.backends.pacing import StoreThrottle, store_throttle
 from dcp_volumes.backends.probe import round_trip_s as measure_round_trip
 from dcp_volumes.backends.ranges import check_read
@@ -73,7 +74,7 @@ THROTTLE_RETRY_DOUBLINGS = 1
 THROTTLES_PER_ATTEMPT = 4
 
 
-class Backend(VersionedReads):
+class Backend(VersionedReads, Entries):
     """A resolved checkpoint location: filesystem, root path, retry policy and capabilities.
 
     Backends hold live clients and are never pickled; writers and readers create them
@@ -90,6 +91,8 @@ class Backend(VersionedReads):
         sends_part_checksums: every upload request carries the part's CRC32C, which the
             store may verify.
         has_directories: real directories that outlive their files (pruned after deletes).
+        local_paths: the root is a path on this machine (links, FIFOs, visible partial
+            files; :class:`~dcp_volumes.backends.entries.Entries`).
     """
 
     name: ClassVar[str] = "fsspec"
@@ -453,37 +456,6 @@ class Backend(VersionedReads):
 
     async def prune_empty_dirs(self, relative: str = "") -> None:
         """Remove directories left empty under ``relative`` (stores with real directories)."""
-
-    async def check_bucket(self) -> None:
-        """Fail fast (before any byte moves) on a missing bucket, refused credentials, or a
-        checkpoint path that is an existing file/object."""
-        if self.object_store:
-            await self._check_bucket_exists()
-        try:
-            info = await self.call(lambda: self.fs_call("info", self.root), op="list",
-                                   url=self.url)
-        except errors.ObjectNotFoundError:
-            return
-        if info.get("type") == "file":
-            raise errors.ConfigError(
-                f"{redact_url(self.url)} is a file/object, not a directory: choose a "
-                "directory-like path"
-            )
-
-    async def _check_bucket_exists(self) -> None:
-        bucket = self.bucket
-        try:
-            await self.call(lambda: self.fs_call("ls", self.root, detail=False), op="list",
-                            url=self.url)
-        except errors.ObjectNotFoundError:
-            # An empty prefix is fine; the bucket itself must exist.
-            self.fs.invalidate_cache(bucket)
-            if not await self.call(lambda: self.fs_call("exists", bucket), op="list",
-                                   url=self.url):
-                raise errors.BucketNotFoundError(
-                    f"bucket/container {bucket!r} of {redact_url(self.url)} does not exist: "
-                    "create it or fix the URL"
-                ) from None
 
     # ---- uploads -----------------------------------------------------------------------
     def make_sink(self, relative: str, stats: CallStats, part_size: int) -> Sink:

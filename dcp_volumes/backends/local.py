@@ -23,6 +23,7 @@ __all__ = ["LocalBackend", "LocalSink"]
 class LocalBackend(Backend):
     name = "local"
     has_directories = True
+    local_paths = True
 
     def normalize_root(self, root: str) -> str:
         return os.path.abspath(root)
@@ -44,13 +45,17 @@ class LocalBackend(Backend):
         return real
 
     # ---- what stands at a name, without following a link (dcp_volumes._complete) --------
-    async def entry_kind(self, relative: str) -> str | None:
+    def place(self) -> tuple[str, str, str]:
+        return "file", "", os.path.realpath(str(self.root))
+
+    async def entry_kind(self, relative: str, *, stats: CallStats | None = None
+                         ) -> str | None:
         """What stands at ``relative``, the entry itself (a link is not followed): None
         (nothing), ``"file"`` (a regular file), or in words what else ("a directory", "a
         FIFO", "a link", ...)."""
         try:
             info = await self.call(lambda: asyncio.to_thread(os.lstat, self.path(relative)),
-                                   op="read", url=self.object_url(relative))
+                                   op="read", url=self.object_url(relative), stats=stats)
         except errors.ObjectNotFoundError:
             return None
         return "file" if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)

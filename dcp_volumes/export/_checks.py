@@ -17,13 +17,11 @@ enforces as it decodes, as on load). Every transform is checked decodable here
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from typing import Any
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, redact_url
-from dcp_volumes.backends.local import LocalBackend
 from dcp_volumes.export._plan import PlannedTensor
 from dcp_volumes.transfer import transforms
 
@@ -37,16 +35,6 @@ EXPORT_HOW = ("export_safetensors(..., extension_registry=registry), or on the c
 MAX_DIM = 2**62
 
 
-def _location(backend: Backend) -> tuple[str, str, str]:
-    """(store kind and endpoint, root path) naming where ``backend`` points."""
-    fs = backend.fs
-    endpoint = getattr(fs, "endpoint_url", None) or (
-        getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
-    if isinstance(backend, LocalBackend):
-        return "file", "", os.path.realpath(str(backend.root))
-    return type(backend).__name__, str(endpoint or ""), str(backend.root).rstrip("/")
-
-
 def check_not_inside(src: Backend, dest: Backend) -> None:
     """Refuse a DEST that is SRC or inside it (``rm -r SRC`` would remove the export too,
     and the export's files would sit among the checkpoint's).
@@ -54,8 +42,8 @@ def check_not_inside(src: Backend, dest: Backend) -> None:
     Raises:
         ConfigError: DEST is SRC, or a directory or prefix inside it.
     """
-    s_kind, s_end, s_root = _location(src)
-    d_kind, d_end, d_root = _location(dest)
+    s_kind, s_end, s_root = src.place()
+    d_kind, d_end, d_root = dest.place()
     if (s_kind, s_end) != (d_kind, d_end):
         return
     if d_root == s_root or d_root.startswith(s_root.rstrip("/") + "/"):

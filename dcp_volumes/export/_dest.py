@@ -26,7 +26,6 @@ import torch
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, CallStats, redact_url
-from dcp_volumes.backends.local import LocalBackend
 from dcp_volumes.config import TransferOptions
 from dcp_volumes.export import _lease
 from dcp_volumes.export._plan import INDEX, SINGLE, ExportPlan, PlannedFile
@@ -46,7 +45,7 @@ class Destination:
     def __init__(self, backend: Backend, transfer: TransferOptions, token: str) -> None:
         self.backend = backend
         self.transfer = transfer
-        self.local = isinstance(backend, LocalBackend)
+        self.local = backend.local_paths
         self.token = token
         self.stats = CallStats()
         self.bytes_written = 0
