@@ -56,6 +56,7 @@ from dcp_volumes.config import RetryOptions
 from dcp_volumes.goodput import (
     AutoInterval,
     AutopilotOptions,
+    Bound,
     FailurePrior,
     Incarnation,
     RestoreSample,
@@ -384,7 +385,7 @@ class Autopilot:
     def _log(self, chosen: AutoInterval) -> None:
         local = ("" if chosen.local_every_s is None
                  else f", a local-only save every {format_duration(chosen.local_every_s)}")
-        level = logging.WARNING if "saves will queue" in chosen.reason else logging.INFO
+        level = logging.WARNING if chosen.bound is Bound.QUEUES else logging.INFO
         logger.log(level, "autopilot: a durable save every %s%s (%s; %s; δ %s s, U %.3g s, R %.3g s, "
                     "M %s)", format_duration(chosen.every_s), local, chosen.reason,
                     chosen.formula, "?" if chosen.delta_s is None else f"{chosen.delta_s:.3g}",

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dcp_volumes.goodput._auto import (
     AutoInterval,
     AutopilotOptions,
+    Bound,
     MeasuredCosts,
     choose_interval,
     measured_costs,
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_INTERVALS_S",
     "AutoInterval",
     "AutopilotOptions",
+    "Bound",
     "FailureEstimate",
     "FailureModel",
     "FailurePrior",

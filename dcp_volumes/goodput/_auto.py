@@ -15,6 +15,7 @@ the interval it gives at most ``√(δ_first/δ)`` too long, for one interval.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import statistics
 from collections.abc import Collection
@@ -33,7 +34,7 @@ from dcp_volumes.goodput._model import FailureModel, expected_goodput
 from dcp_volumes.goodput._record import RunRecord, SaveSample
 from dcp_volumes.goodput._two_level import TierCosts, two_level_intervals_s
 
-__all__ = ["RECORD_DEADLINE_S", "AutoInterval", "AutopilotOptions", "MeasuredCosts",
+__all__ = ["RECORD_DEADLINE_S", "AutoInterval", "AutopilotOptions", "Bound", "MeasuredCosts",
            "choose_interval", "measured_costs", "settle_interval", "trusted_saves"]
 
 #: a durable save is started no sooner than this share above its completion time
@@ -198,30 +199,47 @@ class AutoInterval:
     restart_s: float
     mttf_s: float
     formula: str
+    #: which bound decided ``every_s`` (typed: what a caller branches on)
+    bound: Bound
+    #: the bound's words and what else qualifies the choice (for people)
     reason: str
     predicted_goodput: float | None
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["mttf_s"] = finite_or_none(self.mttf_s)
+        d["bound"] = self.bound.name.lower()
         return d
 
 
-def _clamp(seconds: float, floor: float, options: AutopilotOptions) -> tuple[float, str]:
+class Bound(str, enum.Enum):
+    """Which bound decided an interval (the words of :attr:`AutoInterval.reason`)."""
+
+    NOT_MEASURED = "no save measured yet: the first one measures δ"
+    OPTIMUM = "optimum"
+    CAPPED = "capped at max_interval_s"
+    #: ``max_interval_s`` is shorter than a durable save takes to complete: saves queue
+    QUEUES = ("capped at max_interval_s although a durable save takes longer to complete "
+              "(δ + U): saves will queue")
+    RAISED_TO_COMPLETION = ("raised to a durable save's completion time (δ + U) so saves do "
+                            "not queue")
+    RAISED_TO_MIN = "raised to min_interval_s"
+
+
+def _clamp(seconds: float, floor: float, options: AutopilotOptions) -> tuple[float, Bound]:
     """``seconds`` within the bounds; ``max_interval_s`` wins over the floor (a save that
     takes longer than the longest interval allowed is a measurement to distrust, or a store
-    to fix: saves then queue, and the reason says so)."""
+    to fix: saves then queue, :attr:`Bound.QUEUES`)."""
     hi = options.max_interval_s
     lo = min(max(options.min_interval_s, floor), hi)
     if floor > hi:
-        return hi, ("capped at max_interval_s although a durable save takes longer to "
-                    "complete (δ + U): saves will queue")
+        return hi, Bound.QUEUES
     if not math.isfinite(seconds) or seconds > hi:
-        return hi, "capped at max_interval_s"
+        return hi, Bound.CAPPED
     if seconds < lo:
-        return lo, ("raised to a durable save's completion time (δ + U) so saves do not queue"
-                    if floor >= options.min_interval_s else "raised to min_interval_s")
-    return seconds, "optimum"
+        return lo, (Bound.RAISED_TO_COMPLETION if floor >= options.min_interval_s
+                    else Bound.RAISED_TO_MIN)
+    return seconds, Bound.OPTIMUM
 
 
 def choose_interval(costs: MeasuredCosts, estimate: FailureEstimate, options: AutopilotOptions,
@@ -235,7 +253,7 @@ def choose_interval(costs: MeasuredCosts, estimate: FailureEstimate, options: Au
         return AutoInterval(every_s=every, local_every_s=None, work_s=every, delta_s=None,
                             upload_s=0.0, restart_s=costs.restart_s, mttf_s=m,
                             formula="none yet", predicted_goodput=None,
-                            reason="no save measured yet: the first one measures δ")
+                            bound=Bound.NOT_MEASURED, reason=Bound.NOT_MEASURED.value)
     delta = max(delta, 1e-3)
     upload = costs.durable_background_s
     floor = QUEUE_MARGIN * (delta + upload)
@@ -255,7 +273,7 @@ def _young(costs: MeasuredCosts, delta: float, upload: float, floor: float, m: f
     restart = costs.restart_s + upload
     return AutoInterval(
         every_s=every, local_every_s=None, work_s=work, delta_s=delta, upload_s=upload,
-        restart_s=restart, mttf_s=m, reason=why,
+        restart_s=restart, mttf_s=m, bound=why, reason=why.value,
         formula=f"Young: τ = √(2δM) = √(2·{delta:.3g}·{m:.4g}) = {tau:.4g} s of work",
         predicted_goodput=expected_goodput(work, checkpoint_cost_s=delta, mttf_s=m,
                                            restart_cost_s=restart))
@@ -269,7 +287,7 @@ def _two_level(costs: MeasuredCosts, delta: float, upload: float, floor: float, 
         return AutoInterval(every_s=every, local_every_s=every / 2, work_s=every - delta,
                             delta_s=delta, upload_s=upload, restart_s=costs.restart_s,
                             mttf_s=m, formula="Young on durable saves; local at half of it",
-                            reason=f"{why}; no local-only save measured yet: one between "
+                            bound=why, reason=f"{why.value}; no local-only save measured yet: one between "
                             "durable saves measures δ_L", predicted_goodput=None)
     tiers = TierCosts(local_save_s=max(min(dl, delta), 1e-3), remote_save_s=delta,
                       local_survives=costs.local_survives,
@@ -282,8 +300,8 @@ def _two_level(costs: MeasuredCosts, delta: float, upload: float, floor: float, 
     local_every = None if tl >= tr else max(min(tl + dl, every), options.min_interval_s)
     return AutoInterval(
         every_s=every, local_every_s=local_every, work_s=max(every - delta, 1e-3),
-        delta_s=delta, upload_s=upload, restart_s=costs.restart_s, mttf_s=m, reason=why,
-        formula=(f"two-level: τ_L = √(2δ_L·M/p) = {tl:.4g} s, τ_R = √(2(δ_R−δ_L)·M/(1−p)) "
+        delta_s=delta, upload_s=upload, restart_s=costs.restart_s, mttf_s=m, bound=why,
+        reason=why.value, formula=(f"two-level: τ_L = √(2δ_L·M/p) = {tl:.4g} s, τ_R = √(2(δ_R−δ_L)·M/(1−p)) "
                  f"= {tr:.4g} s (δ_L {dl:.3g}, δ_R {delta:.3g}, p {costs.local_survives:.2f})"),
         predicted_goodput=None)
 

@@ -14,6 +14,7 @@ from _goodput_oracle import mixture_mttf
 from dcp_volumes.errors import ConfigError
 from dcp_volumes.goodput import (
     AutopilotOptions,
+    Bound,
     FailureModel,
     FailurePrior,
     Incarnation,
@@ -251,6 +252,23 @@ def test_never_shorter_than_a_save_takes_to_complete() -> None:
                          ids=["huge", "tiny", "no-failures"])
 def test_bounded(blocking: float, m: float, expect: float) -> None:
     assert _every(_costs(blocking), m) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize(("blocking", "background", "m", "bound"), [
+    (2.0, 0.0, 3600.0, Bound.OPTIMUM),
+    (1.0, 60.0, 100.0, Bound.RAISED_TO_COMPLETION),
+    (1.0, 8 * 3600.0, 3600.0, Bound.QUEUES),
+    (1.0, 0.0, math.inf, Bound.CAPPED),
+], ids=["optimum", "raised-to-completion", "saves-queue", "capped"])
+def test_the_bound_that_decided_is_typed(blocking: float, background: float, m: float,
+                                         bound: Bound) -> None:
+    # callers branch on the bound (the Checkpointer's WARNING when saves queue), never on
+    # the reason's words; the words stay the bound's
+    est = estimate_failures(FailurePrior(mttf_s=m), interruptions=0, exposure_s=0.0)
+    got = choose_interval(measured_costs(_costs(blocking, background=background)), est,
+                          AutopilotOptions(), local_tier=False)
+    assert got.bound is bound and got.reason.startswith(bound.value)
+    assert json.loads(json.dumps(got.to_dict()))["bound"] == bound.name.lower()
 
 
 def test_one_slow_save_does_not_swing_it() -> None:
