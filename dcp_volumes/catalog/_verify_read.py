@@ -94,8 +94,7 @@ def reads_of(md: Metadata, manifest: Manifest, files: dict[str, FileReport],
 def _whole(relative: str, offset: int, entry: ItemEntry, read: ReadItem) -> Need:
     from dcp_volumes.loading.needs import Need
 
-    end = offset + entry.length
-    return Need(relative, offset, end, offset, entry.length, [read], entry, None, entry.length)
+    return Need.whole(relative, offset, entry.length, reads=[read], entry=entry)
 
 
 def _data_bytes(entry: ItemEntry) -> int | None:
@@ -124,9 +123,9 @@ def _pieces(split: _Split, chunk_size: int) -> list[Need]:
     item_end = s.offset + entry.length
 
     def piece(start: int, end: int, checked: ItemEntry | None, block: int | None) -> Need:
-        return Need(
-            s.relative, start, end, s.offset, entry.length, [s.read], checked, block, end - start
-        )
+        return Need.part(s.relative, start, end, item_offset=s.offset,
+                         item_length=entry.length, reads=[s.read], entry=checked,
+                         first_block=block, needed=end - start)
 
     needs = [piece(s.offset, data_start, None, None)] if data_start > s.offset else []
     step = max(1, chunk_size // entry.block_size)

@@ -14,9 +14,10 @@ fetched whole and decoded with a bound (:mod:`dcp_volumes.transfer.transforms`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import crc32c
@@ -33,18 +34,24 @@ __all__ = ["Need", "Span", "check_need", "contiguous_strides", "describe", "elem
            "plan_needs", "plan_ranges"]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Need:
-    """A byte span ``[start, end)`` of one file that some read items need."""
+    """A byte span ``[start, end)`` of one file that some read items need.
+
+    Built by name only (six of its fields are ints: a swapped pair would read wrong
+    bytes): :meth:`whole` for a whole stored item, :meth:`part` for a span inside one.
+    """
 
     relative: str
     start: int
     end: int
+    #: where the stored item the span belongs to starts in the file, and its length
     item_offset: int
     item_length: int
-    reads: list[ReadItem] = field(default_factory=list)
+    reads: tuple[ReadItem, ...] = ()
     entry: ItemEntry | None = None
     first_block: int | None = None  # set when the span covers raw data blocks only
+    #: the bytes the reads take out of the span (what a load reports as read)
     needed: int = 0
     #: torch's stream transforms the item was written through (decoded in apply_need)
     transforms: tuple[str, ...] = ()
@@ -56,6 +63,28 @@ class Need:
     shape: tuple[int, ...] | None = None
     #: torch's ``ExtensionRegistry`` that decodes custom ``transforms`` (None: zstd only)
     registry: Any = None
+
+    @classmethod
+    def whole(cls, relative: str, offset: int, length: int, *,
+              reads: Sequence[ReadItem] = (), entry: ItemEntry | None = None,
+              transforms: tuple[str, ...] = (), decoded_limit: int = 0,
+              registry: Any = None) -> Need:
+        """The whole stored item ``[offset, offset + length)`` of ``relative``, all of it
+        needed (``transforms``: fetched whole to be decoded)."""
+        return cls(relative=relative, start=offset, end=offset + length, item_offset=offset,
+                   item_length=length, reads=tuple(reads), entry=entry, needed=length,
+                   transforms=transforms, decoded_limit=decoded_limit, registry=registry)
+
+    @classmethod
+    def part(cls, relative: str, start: int, end: int, *, item_offset: int, item_length: int,
+             reads: Sequence[ReadItem] = (), entry: ItemEntry | None = None,
+             first_block: int | None = None, needed: int = 0) -> Need:
+        """The span ``[start, end)`` inside the stored item at ``item_offset`` (of
+        ``item_length`` bytes); ``first_block``: the span is whole raw data blocks from
+        that one on, checked block by block."""
+        return cls(relative=relative, start=start, end=end, item_offset=item_offset,
+                   item_length=item_length, reads=tuple(reads), entry=entry,
+                   first_block=first_block, needed=needed)
 
     @property
     def parts(self) -> tuple[Need, ...]:
@@ -106,15 +135,15 @@ def plan_needs(reads: list[ReadItem], storage_data: dict[Any, Any],
         index = item_reads[0].storage_index
         dtype = item_dtype(metadata, index.fqn, index.offset, entry, what)
         descriptors = getattr(infos[(relative, offset)], "transform_descriptors", None)
+        shape = shapes.get((index.fqn, tuple(index.offset or ())))
         if descriptors:  # fetched whole: the stored bytes are a transform's output
-            need = Need(relative, offset, offset + length, offset, length, item_reads, entry,
-                        None, length, transforms.check_transforms(descriptors, what, registry),
-                        _decoded_limit(item_reads[0], metadata), registry=registry)
+            need = Need.whole(
+                relative, offset, length, reads=item_reads, entry=entry,
+                transforms=transforms.check_transforms(descriptors, what, registry),
+                decoded_limit=_decoded_limit(item_reads[0], metadata), registry=registry)
         else:
             need = _need_for(relative, offset, length, item_reads, entry)
-        need.dtype = dtype
-        need.shape = shapes.get((index.fqn, tuple(index.offset or ())))
-        needs.append(need)
+        needs.append(dataclasses.replace(need, dtype=dtype, shape=shape))
     return needs
 
 
@@ -169,7 +198,7 @@ def _decoded_limit(read: ReadItem, metadata: Any) -> int:
 
 def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
               entry: ItemEntry | None) -> Need:
-    whole = Need(relative, offset, offset + length, offset, length, reads, entry, None, length)
+    whole = Need.whole(relative, offset, length, reads=reads, entry=entry)
     if entry is not None and not entry.checked:
         return _raw_need(relative, offset, length, reads, entry)
     if (
@@ -190,8 +219,9 @@ def _need_for(relative: str, offset: int, length: int, reads: list[ReadItem],
     bs = entry.block_size
     b0, b1 = (lo * es) // bs, -(-(hi * es) // bs)
     data_start = offset + entry.data_offset
-    return Need(relative, data_start + b0 * bs, data_start + min(b1 * bs, nbytes), offset,
-                length, reads, entry, b0, sum(math.prod(r.lengths) * es for r in reads))
+    return Need.part(relative, data_start + b0 * bs, data_start + min(b1 * bs, nbytes),
+                     item_offset=offset, item_length=length, reads=reads, entry=entry,
+                     first_block=b0, needed=sum(math.prod(r.lengths) * es for r in reads))
 
 
 def _raw_need(relative: str, offset: int, length: int, reads: list[ReadItem],
@@ -205,10 +235,12 @@ def _raw_need(relative: str, offset: int, length: int, reads: list[ReadItem],
         raise errors.IntegrityError(f"{describe(reads[0])} is a tensor in the stored file, "
                                     "but the state dict holds a non-tensor value there")
     if not spans:
-        return Need(relative, offset, offset, offset, length, reads, entry, 0, 0)
+        return Need.part(relative, offset, offset, item_offset=offset, item_length=length,
+                         reads=reads, entry=entry, first_block=0)
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    return Need(relative, offset + lo * es, offset + hi * es, offset, length, reads, entry, lo,
-                sum(math.prod(r.lengths) * es for r in reads))
+    return Need.part(relative, offset + lo * es, offset + hi * es, item_offset=offset,
+                     item_length=length, reads=reads, entry=entry, first_block=lo,
+                     needed=sum(math.prod(r.lengths) * es for r in reads))
 
 
 class Span(Protocol):

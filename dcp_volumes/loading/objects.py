@@ -62,7 +62,8 @@ class ObjectReader(io.RawIOBase):
             bs = self._item.block_size
             first, last = start // bs, -(-end // bs)
             lo, hi = first * bs, min(last * bs, self._item.length)
-            need = Need(self._key, lo, hi, 0, self._item.length, [], self._item, first, hi - lo)
+            need = Need.part(self._key, lo, hi, item_offset=0, item_length=self._item.length,
+                             entry=self._item, first_block=first, needed=hi - lo)
             got = _Bytes()
             serve(self._source, plan_ranges([need], gap=0, max_size=hi - lo), got,
                   url=self._source.url, last=True)

@@ -22,7 +22,7 @@ def _infos(n: int, hosts: int = 1) -> list[LocalInfo]:
 
 def _whole(rel: str, off: int, length: int, *, crc: bool = True) -> Need:
     entry = ItemEntry(length, 0) if crc else None
-    return Need(rel, off, off + length, off, length, [], entry, None, length)
+    return Need.whole(rel, off, length, entry=entry)
 
 
 def _blocks(rel: str, off: int, nbytes: int, b0: int, b1: int, header: int = 64) -> Need:
@@ -30,8 +30,9 @@ def _blocks(rel: str, off: int, nbytes: int, b0: int, b1: int, header: int = 64)
     entry = ItemEntry(header + nbytes, 0, header, BLOCK, (0,) * -(-nbytes // BLOCK),
                       (nbytes // 4,), "float32")
     start = off + header
-    return Need(rel, start + b0 * BLOCK, start + min(b1 * BLOCK, nbytes), off, header + nbytes,
-                [], entry, b0, (b1 - b0) * BLOCK)
+    return Need.part(rel, start + b0 * BLOCK, start + min(b1 * BLOCK, nbytes), item_offset=off,
+                     item_length=header + nbytes, entry=entry, first_block=b0,
+                     needed=(b1 - b0) * BLOCK)
 
 
 def _replicated() -> list[Need]:

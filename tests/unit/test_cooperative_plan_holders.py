@@ -14,7 +14,7 @@ MiB = 1 << 20
 
 
 def _need(relative: str, offset: int, length: int) -> Need:
-    return Need(relative, offset, offset + length, offset, length, needed=length)
+    return Need.whole(relative, offset, length)
 
 
 def _infos(*local: set[str], hosts: tuple[str, ...] | None = None) -> list[LocalInfo]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dcp_volumes.loading.needs import Need, plan_ranges
 
 
 def _needs(spec: list[tuple[str, int, int]]) -> list[Need]:
-    return [Need(rel, start, end, start, end - start) for rel, start, end in spec]
+    return [Need.part(rel, start, end, item_offset=start, item_length=end - start)
+            for rel, start, end in spec]
 
 
 def _shape(ranges: list) -> list[tuple[str, int, int, int]]:
@@ -42,3 +45,15 @@ def test_plan_ranges(needs: list[tuple[str, int, int]], gap: int, max_size: int,
     assert sorted(served) == sorted(needs)
     for r in ranges:
         assert all(r.start <= n.start and n.end <= r.end for n in r.items)
+
+
+def test_a_need_is_built_by_name_and_never_changes() -> None:
+    # six of its fields are ints: positional construction (a swapped pair reads wrong bytes)
+    # and changes after planning are refused
+    with pytest.raises(TypeError):
+        Need("a.distcp", 0, 10, 0, 10)  # type: ignore[misc]
+    need = Need.whole("a.distcp", 100, 10)
+    assert (need.start, need.end, need.item_offset, need.item_length, need.needed) == (
+        100, 110, 100, 10, 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        need.start = 0  # type: ignore[misc]

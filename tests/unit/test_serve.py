@@ -44,8 +44,7 @@ def _read(fqn: str) -> ReadItem:
 
 def _need(start: int, end: int, *, crc: int | None = None, rel: str = "a.distcp") -> Need:
     entry = ItemEntry(end - start, crc32c.crc32c(DATA[start:end]) if crc is None else crc)
-    return Need(rel, start, end, start, end - start, [_read(f"item{start}")], entry, None,
-                end - start)
+    return Need.whole(rel, start, end - start, reads=[_read(f"item{start}")], entry=entry)
 
 
 class _Collect:
@@ -203,7 +202,7 @@ def test_a_few_parts_worth_is_spread_over_the_allowed_connections(tmp_path: Path
     blob = bytes(range(256)) * (12 * 4096)
     (tmp_path / "big.distcp").write_bytes(blob)
     backend = open_backend(str(tmp_path), None)
-    need = Need("big.distcp", 0, len(blob), 0, len(blob), [], None, None, len(blob))
+    need = Need.whole("big.distcp", 0, len(blob))
     ranges = plan_ranges([need], gap=0, max_size=64 << 20)
     stats = CallStats()
     target = _Collect()

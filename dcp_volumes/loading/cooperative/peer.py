@@ -65,11 +65,13 @@ def held(b: Bundle, need_of: Mapping[tuple[str, int], Need]) -> Held:
     for p in b.pieces:
         need = need_of.get((b.relative, p.item_offset))
         if need is not None:
-            parts.append(Need(b.relative, p.start, p.end, need.item_offset, need.item_length,
-                              need.reads, need.entry, p.first_block))
+            parts.append(Need.part(b.relative, p.start, p.end, item_offset=need.item_offset,
+                                   item_length=need.item_length, reads=need.reads,
+                                   entry=need.entry, first_block=p.first_block))
         else:
-            parts.append(Need(b.relative, p.start, p.end, p.item_offset, p.item_length, [],
-                              p.entry, p.first_block))
+            parts.append(Need.part(b.relative, p.start, p.end, item_offset=p.item_offset,
+                                   item_length=p.item_length, entry=p.entry,
+                                   first_block=p.first_block))
     return Held(b, tuple(parts))
 
 
