@@ -21,6 +21,7 @@ from dcp_volumes import errors
 from dcp_volumes._manifest import ItemEntry
 from dcp_volumes.loading.needs import Need, contiguous_strides, describe, element_span
 from dcp_volumes.transfer import transforms
+from dcp_volumes.transfer.download import Memory
 
 __all__ = ["ALWAYS_SAFE", "DirectTarget", "PlannerTarget", "apply_need", "check_object_item",
            "direct_target"]
@@ -170,6 +171,10 @@ class DirectTarget:
     start: int
     end: int
 
+    def bytes_view(self) -> memoryview:
+        """The target's memory as bytes (:class:`~dcp_volumes.transfer.download.Memory`)."""
+        return self.view.numpy().data.cast("B")
+
 
 def direct_target(need: Need, planner: LoadPlanner) -> DirectTarget | None:
     """The :class:`DirectTarget` of a block-read need with a single read whose elements are
@@ -221,8 +226,12 @@ class PlannerTarget:
         self.planner = planner
         self.trusted = tuple(trusted)
 
-    def apply(self, span: Need, chunk: memoryview, into: DirectTarget | None) -> None:
+    def apply(self, span: Need, chunk: memoryview, into: Memory | None) -> None:
         if into is not None:
+            # only this target's direct() hands out memory, so ``into`` is a DirectTarget
+            if not isinstance(into, DirectTarget):
+                raise TypeError(f"a load's range was read into {type(into).__name__}, "
+                                "not a DirectTarget this target handed out")
             # here, in order: the planner is not thread-safe
             self.planner.commit_tensor(into.read, into.target)
         else:

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import crc32c
 import torch
@@ -257,15 +257,20 @@ class Span(Protocol):
     def parts(self) -> Sequence[Need]: ...
 
 
-def plan_ranges(needs: Sequence[Span], *, gap: int, max_size: int) -> list[RangeRequest]:
+#: the spans a range plan is made of (its ranges carry them as ``items``)
+SpanT = TypeVar("SpanT", bound=Span)
+
+
+def plan_ranges(needs: Sequence[SpanT], *, gap: int, max_size: int
+                ) -> list[RangeRequest[SpanT]]:
     """Sort each file's spans by offset and coalesce neighbours into ranged GETs; each
     range's ``items`` are the spans it serves."""
-    ranges: list[RangeRequest] = []
-    by_file: dict[str, list[Span]] = {}
+    ranges: list[RangeRequest[SpanT]] = []
+    by_file: dict[str, list[SpanT]] = {}
     for need in needs:
         by_file.setdefault(need.relative, []).append(need)
     for relative in sorted(by_file):
-        current: RangeRequest | None = None
+        current: RangeRequest[SpanT] | None = None
         for need in sorted(by_file[relative], key=lambda n: n.start):
             if (
                 current is not None

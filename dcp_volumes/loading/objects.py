@@ -20,6 +20,7 @@ from dcp_volumes.backends import Backend, CallStats, redact_url
 from dcp_volumes.loading.needs import Need, plan_ranges
 from dcp_volumes.loading.serve import serve
 from dcp_volumes.loading.sources import StoreSource
+from dcp_volumes.transfer.download import Memory
 
 __all__ = ["ObjectReader", "read_object"]
 
@@ -29,7 +30,7 @@ class _Bytes:
 
     data = memoryview(b"")
 
-    def apply(self, span: Any, chunk: memoryview, into: Any) -> None:
+    def apply(self, span: Any, chunk: memoryview, into: Memory | None) -> None:
         self.data = chunk
 
 

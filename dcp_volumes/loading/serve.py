@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from dcp_volumes import errors
 from dcp_volumes.loading.needs import Span, check_need, describe
 from dcp_volumes.loading.sources import CannotServe, Source, Unserved
-from dcp_volumes.transfer.download import RangeRequest
+from dcp_volumes.transfer.download import Memory, RangeRequest
 
 __all__ = ["Served", "Target", "check_span", "serve"]
 
@@ -28,9 +28,9 @@ __all__ = ["Served", "Target", "check_span", "serve"]
 class Target(Protocol):
     """Where checked bytes go."""
 
-    def apply(self, span: Any, chunk: memoryview, into: Any) -> None:
-        """Use the checked bytes of ``span``. ``into``: the range's ``DirectTarget`` when the
-        source read the bytes straight into it (nothing left to copy), else None."""
+    def apply(self, span: Any, chunk: memoryview, into: Memory | None) -> None:
+        """Use the checked bytes of ``span``. ``into``: the range's memory when the source
+        read the bytes straight into it (nothing left to copy), else None."""
         ...
 
 

@@ -223,7 +223,7 @@ class LocalTierSource:
             if not stat.S_ISREG(st.st_mode) or st.st_size != local.size:
                 return self._cannot(rng, Unserved.CHANGED, f"it changed (now {st.st_size} "
                                     f"bytes, expected {local.size})")
-            view = (rng.into.view.numpy().data if rng.into is not None
+            view = (rng.into.bytes_view() if rng.into is not None
                     else memoryview(bytearray(rng.end - rng.start)))
             if _pread_all(fd, view, rng.start) < len(view):
                 return self._cannot(rng, Unserved.CHANGED, "it is shorter than expected")

@@ -8,30 +8,43 @@ import queue
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from dcp_volumes import errors
 from dcp_volumes.backends import Backend, CallStats
 from dcp_volumes.backends.versions import ObjectVersion
 
-__all__ = ["MIN_SPLIT_GET", "RangeRequest", "check_extents", "fanout_chunk", "fetch_ranges"]
+__all__ = ["MIN_SPLIT_GET", "Memory", "RangeRequest", "check_extents", "fanout_chunk",
+           "fetch_ranges"]
 
 
 async def _make_semaphore(n: int) -> asyncio.Semaphore:
     return asyncio.Semaphore(n)
 
 
+class Memory(Protocol):
+    """Memory a range may be read into: exactly the range's bytes (a load's target tensor,
+    seen as bytes), so a source that can writes them there and nothing is copied again."""
+
+    def bytes_view(self) -> memoryview:
+        """The memory, writable, as unsigned bytes (format ``"B"``), of the range's length."""
+        ...
+
+
+#: what a range's ``items`` are: the caller's spans (a load's needs, a peer's pieces)
+S = TypeVar("S")
+
+
 @dataclass
-class RangeRequest:
+class RangeRequest(Generic[S]):
     """One GET of ``[start, end)`` of ``relative``; ``items`` is the caller's bookkeeping."""
 
     relative: str
     start: int
     end: int
-    items: list[Any] = field(default_factory=list)
-    #: where a source that can should read the bytes to (a load's ``DirectTarget``, whose
-    #: memory is exactly these bytes), or None
-    into: Any = None
+    items: list[S] = field(default_factory=list)
+    #: where a source that can should read the bytes to, or None
+    into: Memory | None = None
 
 #: what :func:`fetch_ranges` yields for a range: its bytes, or why its object could not be
 #: read (gone: ``ObjectNotFoundError``; no longer the pinned version: ``CheckpointChangedError``)
@@ -90,7 +103,7 @@ class _Fetches:
         # place in the item's buffer (no chunk held apart and copied again); with ``into``,
         # that buffer is the target's own memory.
         if req.into is not None:
-            out: bytearray | memoryview = req.into.view.numpy().data.cast("B")
+            out: bytearray | memoryview = req.into.bytes_view()
             view = memoryview(out)
         else:
             out = bytearray(req.end - req.start)

@@ -140,15 +140,19 @@ def test_local_tier_answers_each_failure_typed(tmp_path: Path) -> None:
 def test_local_tier_reads_straight_into_a_target(tmp_path: Path) -> None:
     """A range with ``into`` is read into that memory, on a few threads when several."""
 
-    class _Into:
+    class _Into:  # a Memory: what a source may read a range into
         def __init__(self, n: int) -> None:
             self.view = torch.zeros(n, dtype=torch.uint8)
+
+        def bytes_view(self) -> memoryview:
+            return self.view.numpy().data.cast("B")
 
     source = _tier(tmp_path)
     ranges = [RangeRequest("a.distcp", a, a + 100, [], into=_Into(100)) for a in (0, 200, 400)]
     got = list(source.serve(ranges))
     assert [r.start for r, _ in got] == [0, 200, 400]
     for rng, payload in got:
+        assert isinstance(rng.into, _Into)
         assert bytes(rng.into.view.numpy()) == DATA[rng.start:rng.end]
         assert bytes(payload) == DATA[rng.start:rng.end]  # type: ignore[arg-type]
 

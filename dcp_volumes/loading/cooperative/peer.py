@@ -111,9 +111,9 @@ class PeerRound:
         for rng in ranges:
             need = rng.items[0]
             key = (need.relative, need.item_offset)
-            if rng.into is not None:
+            if isinstance(rng.into, DirectTarget):  # the only memory ranges() hands out
                 self._fill(key, rng.into)
-                yield rng, rng.into.view.numpy().data
+                yield rng, rng.into.bytes_view()
             else:
                 yield rng, self._bytes(key, need)
 
