@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from dcp_volumes.config import LocalTierOptions, RetryOptions, SpoolOptions, TransferOptions
     from dcp_volumes.export import ExportReport, SafetensorsReader, export_safetensors
     from dcp_volumes.reader import VolumeReader
-    from dcp_volumes.saving._staging import release_staging_buffers
+    from dcp_volumes.saving import release_staging_buffers
     from dcp_volumes.stats import LoadStats, SaveStats
     from dcp_volumes.writer import VolumeWriter
 

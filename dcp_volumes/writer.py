@@ -33,13 +33,17 @@ from dcp_volumes.config import (
     TransferOptions,
     check_local_tier,
 )
-from dcp_volumes.saving._commit_bytes import commit_bytes
-from dcp_volumes.saving._durable import write_to_store
-from dcp_volumes.saving._local_only import complete_local_only, write_local_only
-from dcp_volumes.saving._rank import RankJob
-from dcp_volumes.saving._shards import claim_shard_id
-from dcp_volumes.saving._staging import StagingBuffers
-from dcp_volumes.saving._store import begin_store_save, commit_store_save
+from dcp_volumes.saving import (
+    RankJob,
+    StagingBuffers,
+    begin_store_save,
+    claim_shard_id,
+    commit_bytes,
+    commit_store_save,
+    complete_local_only,
+    write_local_only,
+    write_to_store,
+)
 from dcp_volumes.stats import SaveStats
 from dcp_volumes.tier import DurableBase, LocalCommit, TierSave, normal_url
 

@@ -43,7 +43,7 @@ from dcp_volumes.catalog._describe import CheckpointDetails, EntryInfo, describe
 from dcp_volumes.catalog._gc import gc
 from dcp_volumes.catalog._gc_report import GcReport
 from dcp_volumes.catalog._listing import CheckpointInfo, latest, list_checkpoints
-from dcp_volumes.catalog._retention import apply_retention, remove
+from dcp_volumes.catalog._retention import apply_retention, delete_checkpoint, remove
 from dcp_volumes.catalog._tiers import TierCopy, local_tier_copies
 from dcp_volumes.catalog._verify import verify
 from dcp_volumes.catalog._verify_report import FileReport, VerifyReport
@@ -60,6 +60,7 @@ __all__ = [
     "apply_retention",
     "check_count",
     "compile_step_pattern",
+    "delete_checkpoint",
     "describe",
     "gc",
     "latest",

@@ -54,6 +54,7 @@ from dcp_volumes.checkpointer._record_io import RecordIO
 from dcp_volumes.checkpointer._record_writes import record_writes
 from dcp_volumes.config import RetryOptions
 from dcp_volumes.goodput import (
+    MAX_SAVES,
     AutoInterval,
     AutopilotOptions,
     Bound,
@@ -71,7 +72,6 @@ from dcp_volumes.goodput import (
     run_key,
     settle_interval,
 )
-from dcp_volumes.goodput._record import MAX_SAVES
 from dcp_volumes.stats import LoadStats
 
 __all__ = ["MAX_START_AGE_S", "Autopilot", "AutopilotOptions", "process_age_s"]

@@ -19,8 +19,7 @@ from typing import Any
 from dcp_volumes.backends import redact_url
 from dcp_volumes.checkpointer._record_writes import record_writes
 from dcp_volumes.config import RetryOptions
-from dcp_volumes.goodput import RunRecord
-from dcp_volumes.goodput._store import RecordRead, load_run_record, store_run_record
+from dcp_volumes.goodput import RecordRead, RunRecord, load_run_record, store_run_record
 
 __all__ = ["RecordIO"]
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dcp_volumes.goodput._auto import RECORD_DEADLINE_S
+from dcp_volumes.goodput import RECORD_DEADLINE_S
 
 __all__ = ["FLUSH_TIMEOUT_S", "RecordWrites", "record_writes"]
 

@@ -63,7 +63,7 @@ def run_from_run(args: argparse.Namespace,
 def _record(root: str, storage_options: dict[str, Any]) -> RunRecord:
     """The run's record; a store that refused or failed the read raises its own error (what
     it answered, never the credentials), a missing or unusable record a ConfigError."""
-    from dcp_volumes.goodput._store import load_run_record
+    from dcp_volumes.goodput import load_run_record
 
     got = load_run_record(root, storage_options)
     if got.error is not None:
@@ -107,8 +107,7 @@ def _plan(args: argparse.Namespace, gpus: int, costs: MeasuredCosts,
 
 def _summary(costs: MeasuredCosts, estimate: FailureEstimate,
              auto_every_s: float) -> list[tuple[str, str]]:
-    from dcp_volumes.goodput import format_duration
-    from dcp_volumes.goodput._estimate import TRUSTED_PRIOR_WEIGHT
+    from dcp_volumes.goodput import TRUSTED_PRIOR_WEIGHT, format_duration
 
     prior = estimate.prior
     observed = estimate.observed_mttf_s

@@ -26,6 +26,7 @@ everywhere (no finite optimum; goodput is ``τ/(τ+δ)``).
 from __future__ import annotations
 
 from dcp_volumes.goodput._auto import (
+    RECORD_DEADLINE_S,
     AutoInterval,
     AutopilotOptions,
     Bound,
@@ -36,6 +37,7 @@ from dcp_volumes.goodput._auto import (
 )
 from dcp_volumes.goodput._durations import format_duration, parse_duration_s
 from dcp_volumes.goodput._estimate import (
+    TRUSTED_PRIOR_WEIGHT,
     FailureEstimate,
     FailurePrior,
     default_prior,
@@ -52,18 +54,29 @@ from dcp_volumes.goodput._model import (
 )
 from dcp_volumes.goodput._plan import IntervalRow, Plan, plan_intervals
 from dcp_volumes.goodput._record import (
+    MAX_SAVES,
     Incarnation,
     RestoreSample,
     RunRecord,
     SaveSample,
     run_key,
 )
-from dcp_volumes.goodput._store import read_run_record, record_root, write_run_record
+from dcp_volumes.goodput._store import (
+    RecordRead,
+    load_run_record,
+    read_run_record,
+    record_root,
+    store_run_record,
+    write_run_record,
+)
 from dcp_volumes.goodput._two_level import TierCosts
 from dcp_volumes.goodput._two_level_compare import TwoLevelPlan, plan_two_level
 
 __all__ = [
     "DEFAULT_INTERVALS_S",
+    "MAX_SAVES",
+    "RECORD_DEADLINE_S",
+    "TRUSTED_PRIOR_WEIGHT",
     "AutoInterval",
     "AutopilotOptions",
     "Bound",
@@ -74,6 +87,7 @@ __all__ = [
     "IntervalRow",
     "MeasuredCosts",
     "Plan",
+    "RecordRead",
     "RestoreSample",
     "RunRecord",
     "SaveSample",
@@ -87,6 +101,7 @@ __all__ = [
     "expected_rework_s",
     "format_duration",
     "interruption_probability",
+    "load_run_record",
     "measured_costs",
     "parse_duration_s",
     "plan_intervals",
@@ -95,6 +110,7 @@ __all__ = [
     "record_root",
     "run_key",
     "settle_interval",
+    "store_run_record",
     "write_run_record",
     "young_interval_s",
 ]

@@ -31,7 +31,7 @@ from dcp_volumes import catalog, errors
 from dcp_volumes._layout import METADATA, check_relative_path
 from dcp_volumes._manifest import FileEntry
 from dcp_volumes.backends import Backend, open_backend, redact_url
-from dcp_volumes.catalog._retention import delete_checkpoint
+from dcp_volumes.catalog import delete_checkpoint
 from dcp_volumes.config import RetryOptions, TransferOptions
 from dcp_volumes.integrations import _tc_checkpoint as stored
 from dcp_volumes.loading.objects import ObjectReader, read_object

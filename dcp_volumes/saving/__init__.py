@@ -26,8 +26,19 @@ The export (:mod:`dcp_volumes.export`) streams its files through the same
 
 from __future__ import annotations
 
+from dcp_volumes.saving._commit_bytes import commit_bytes
+from dcp_volumes.saving._durable import write_to_store
+from dcp_volumes.saving._local_only import complete_local_only, write_local_only
 from dcp_volumes.saving._parts import PartStream, SpooledPart
+from dcp_volumes.saving._rank import RankJob
+from dcp_volumes.saving._shards import claim_shard_id
 from dcp_volumes.saving._spool import SpoolFile
+from dcp_volumes.saving._staging import StagingBuffers, release_staging_buffers
+from dcp_volumes.saving._store import begin_store_save, commit_store_save
 from dcp_volumes.saving._upload import Uploader
 
-__all__ = ["PartStream", "SpoolFile", "SpooledPart", "Uploader"]
+#: the save stream (export and integrations) and the writer's steps (writer.py)
+__all__ = ["PartStream", "RankJob", "SpoolFile", "SpooledPart", "StagingBuffers", "Uploader",
+           "begin_store_save", "claim_shard_id", "commit_bytes", "commit_store_save",
+           "complete_local_only", "release_staging_buffers", "write_local_only",
+           "write_to_store"]
