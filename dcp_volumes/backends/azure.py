@@ -12,8 +12,8 @@ import base64
 from typing import Any, ClassVar
 
 from dcp_volumes import errors
+from dcp_volumes.backends._ranges import RangeAnswer, asked_range
 from dcp_volumes.backends.base import Backend, CallStats
-from dcp_volumes.backends.ranges import RangeAnswer, asked_range
 from dcp_volumes.backends.sink import Part, Sink
 from dcp_volumes.backends.translate import is_connection_error, status_and_code
 from dcp_volumes.backends.versions import ObjectVersion, changed
@@ -66,7 +66,7 @@ class AzureBackend(Backend):
     async def _download(self, relative: str, start: int | None, end: int | None,
                         **conditions: Any) -> bytes:
         """Bytes ``[start, end)`` (the whole object: both None) through the SDK's
-        downloader, each HTTP answer it got checked (:mod:`~dcp_volumes.backends.ranges`):
+        downloader, each HTTP answer it got checked (:mod:`~dcp_volumes.backends._ranges`):
         the SDK takes any Content-Range's total as the object's size and reads on."""
         if start is not None or end is not None:
             start = start or 0

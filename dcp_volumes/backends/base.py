@@ -23,10 +23,10 @@ from typing import Any, ClassVar, TypeVar
 import fsspec.asyn
 
 from dcp_volumes import errors
-from dcp_volumes.backends.entries import Entries
+from dcp_volumes.backends._entries import Entries
+from dcp_volumes.backends._ranges import check_read
 from dcp_volumes.backends.pacing import StoreThrottle, store_throttle
 from dcp_volumes.backends.probe import round_trip_s as measure_round_trip
-from dcp_volumes.backends.ranges import check_read
 from dcp_volumes.backends.records import (
     Attempts,
     CallStats,
@@ -92,7 +92,7 @@ class Backend(VersionedReads, Entries):
             store may verify.
         has_directories: real directories that outlive their files (pruned after deletes).
         local_paths: the root is a path on this machine (links, FIFOs, visible partial
-            files; :class:`~dcp_volumes.backends.entries.Entries`).
+            files; :class:`~dcp_volumes.backends._entries.Entries`).
     """
 
     name: ClassVar[str] = "fsspec"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dcp_volumes.backends._ranges import RangeAnswer, range_header, read_body
 from dcp_volumes.backends.base import Backend, CallStats
-from dcp_volumes.backends.ranges import RangeAnswer, range_header, read_body
 from dcp_volumes.backends.sink import Sink, StreamSink
 from dcp_volumes.backends.versions import ObjectVersion, changed
 
@@ -57,7 +57,7 @@ class GCSBackend(Backend):
     async def _download(self, relative: str, start: int | None, end: int | None,
                         generation: str | None) -> bytes:
         """One GET of bytes ``[start, end)`` (the whole object: both None) through gcsfs's
-        session, its answer checked (:mod:`~dcp_volumes.backends.ranges`) before a byte is
+        session, its answer checked (:mod:`~dcp_volumes.backends._ranges`) before a byte is
         used: gcsfs' ``cat_file`` returns any 2xx body as it is, and retries inside itself
         (hidden from our loop and its counts)."""
         fs, path = self.fs, self.path(relative)

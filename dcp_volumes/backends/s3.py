@@ -16,9 +16,9 @@ import os
 from typing import Any, ClassVar
 
 from dcp_volumes import errors
-from dcp_volumes.backends import s3_delete
+from dcp_volumes.backends import _s3_delete
+from dcp_volumes.backends._ranges import RangeAnswer, range_header, read_body, read_into
 from dcp_volumes.backends.base import Backend, CallStats, StaleUpload, to_epoch
-from dcp_volumes.backends.ranges import RangeAnswer, range_header, read_body, read_into
 from dcp_volumes.backends.s3_upload import S3Sink, s3_checksum
 from dcp_volumes.backends.sink import Sink
 from dcp_volumes.backends.translate import status_and_code
@@ -115,7 +115,7 @@ class S3Backend(Backend):
     async def _answer(self, relative: str, start: int | None, end: int | None,
                       pin: ObjectVersion | None) -> tuple[Any, RangeAnswer]:
         """The body of a GET of bytes ``[start, end)`` (the whole object: both None) and
-        what the store answered (checked by :func:`~dcp_volumes.backends.ranges.read_body`
+        what the store answered (checked by :func:`~dcp_volumes.backends._ranges.read_body`
         before a byte is read); with ``pin``, If-Match its ETag (another version now raises
         :func:`~dcp_volumes.backends.versions.changed`)."""
         bucket, key, _ = self.fs.split_path(self.path(relative))
@@ -196,6 +196,6 @@ class S3Backend(Backend):
         """Delete objects with DeleteObjects, :attr:`delete_batch` keys a request (a
         checkpoint's objects in one request, where a DELETE each made one per object), and
         the keys XML cannot carry one by one; missing ones are fine, and every answer is
-        checked against the keys asked (:mod:`~dcp_volumes.backends.s3_delete`)."""
+        checked against the keys asked (:mod:`~dcp_volumes.backends._s3_delete`)."""
         if relatives:
-            await s3_delete.remove(self, await self.client(), relatives, batch=self.delete_batch)
+            await _s3_delete.remove(self, await self.client(), relatives, batch=self.delete_batch)

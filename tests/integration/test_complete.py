@@ -20,43 +20,19 @@ import uuid
 import warnings
 from typing import Any
 
-import fsspec
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
+from _run_root import RunRoot
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_volumes import Checkpointer, VolumeReader, VolumeWriter, _layout, catalog, errors
-from dcp_volumes._compat import no_dist
+from dcp_volumes import Checkpointer, VolumeWriter, _layout, catalog, errors
 from dcp_volumes.testing.suite import failures_of
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-class Store:
+class Store(RunRoot):
     """A run root plus raw access to it (to damage objects behind the code's back)."""
-
-    def __init__(self, root: str, options: dict[str, Any]) -> None:
-        self.root, self.options = root, options
-        self.local = "://" not in root
-        self.fs, self.base = fsspec.url_to_fs(root, skip_instance_cache=True, **options)
-
-    def path(self, rel: str) -> str:
-        return f"{self.base}/{rel}"
-
-    def url(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def save(self, rel: str, value: float, writer: type[VolumeWriter] = VolumeWriter) -> None:
-        dcp.save(state_of(value), **no_dist(),
-                 storage_writer=writer(self.url(rel), storage_options=self.options))
-
-    def load(self, rel: str) -> float:
-        state = state_of(0.0)
-        dcp.load(state, storage_reader=VolumeReader(self.url(rel), storage_options=self.options),
-                 **no_dist())
-        (value,) = {float(t.flatten()[0]) for t in state.values()}
-        return value
 
     def put(self, rel: str, data: bytes) -> None:
         if self.local:
@@ -66,11 +42,6 @@ class Store:
     def cat(self, rel: str) -> bytes:
         self.fs.invalidate_cache()
         return bytes(self.fs.cat_file(self.path(rel)))
-
-    def names(self, rel: str) -> list[str]:
-        self.fs.invalidate_cache()
-        base = self.path(rel).rstrip("/") + "/"
-        return sorted(p[len(base):] for p in self.fs.find(base.rstrip("/")))
 
     def manifest(self, rel: str) -> str:
         (name,) = [n for n in self.names(rel) if n.startswith(_layout.MANIFEST_PREFIX)]

@@ -23,13 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _run_root import RunRoot
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_volumes import Checkpointer, VolumeReader, VolumeWriter, _layout, catalog, errors
+from dcp_volumes import Checkpointer, VolumeWriter, _layout, catalog, errors
 from dcp_volumes._commit_read import NOT_REGULAR
 from dcp_volumes._compat import no_dist
 from dcp_volumes._complete import completeness
@@ -43,35 +43,14 @@ def state_of(value: float) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.full((32, 16), value) for i in range(2)}
 
 
-class Run:
+class Run(RunRoot):
     """A run root, raw access to it, and a place outside it (what a link may point to)."""
 
+    shape = (32, 16)
+
     def __init__(self, root: str, options: dict[str, Any], outside: Path) -> None:
-        self.root, self.options, self.outside = root, options, outside
-        self.local = "://" not in root
-        self.fs, self.base = fsspec.url_to_fs(root, skip_instance_cache=True, **options)
-
-    def url(self, rel: str) -> str:
-        return f"{self.root}/{rel}"
-
-    def path(self, rel: str) -> str:
-        return f"{self.base}/{rel}"
-
-    def save(self, rel: str, value: float, writer: type[VolumeWriter] = VolumeWriter) -> None:
-        dcp.save(state_of(value), **no_dist(),
-                 storage_writer=writer(self.url(rel), storage_options=self.options))
-
-    def load(self, rel: str) -> float:
-        state = state_of(0.0)
-        dcp.load(state, storage_reader=VolumeReader(self.url(rel), storage_options=self.options),
-                 **no_dist())
-        (value,) = {float(t.flatten()[0]) for t in state.values()}
-        return value
-
-    def names(self, rel: str) -> list[str]:
-        self.fs.invalidate_cache()
-        base = self.path(rel).rstrip("/") + "/"
-        return sorted(p[len(base):] for p in self.fs.find(base.rstrip("/")))
+        super().__init__(root, options)
+        self.outside = outside
 
     def snapshot(self, rels: list[str]) -> dict[str, bytes]:
         """Every object of the steps ``rels`` (and every file outside the root) with its

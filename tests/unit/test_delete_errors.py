@@ -8,7 +8,7 @@ import pytest
 from _error_shapes import AzureErrorShape, ClientErrorShape, HttpErrorShape
 
 from dcp_volumes import errors
-from dcp_volumes.backends.s3_delete import printable, xml_can_carry
+from dcp_volumes.backends._s3_delete import printable, xml_can_carry
 from dcp_volumes.backends.translate import throttled_too_long, translate_error
 
 DELETES = [

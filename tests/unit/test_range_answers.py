@@ -1,5 +1,5 @@
 """The check of a GET's answer before its body is used (issue 37, finding 6): the pure rules
-of :class:`~dcp_volumes.backends.ranges.RangeAnswer`, the retry decision for each kind of
+of :class:`~dcp_volumes.backends._ranges.RangeAnswer`, the retry decision for each kind of
 wrong answer, and the store's status in messages (aiohttp's own 400 for a short body is no
 status the store sent). The same answers from real servers behind the fault proxy:
 tests/integration/test_ranged_answers.py."""
@@ -11,7 +11,7 @@ import pytest
 from aiohttp.http_exceptions import ContentLengthError
 
 from dcp_volumes import errors
-from dcp_volumes.backends.ranges import RangeAnswer, asked_range, check_read, range_header
+from dcp_volumes.backends._ranges import RangeAnswer, asked_range, check_read, range_header
 from dcp_volumes.backends.translate import is_transient, status_and_code, translate_error
 
 URL = "s3://bucket/run/step-1/__0_0.distcp"
