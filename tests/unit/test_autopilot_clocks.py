@@ -27,27 +27,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 OPTS = AutopilotOptions(failure_model=FailureModel.from_fleet(mtbf_hours=40 / 3600,
                                                               fleet_gpus=2, gpus=2),
                         min_interval_s=0.5)
-T0 = 1.8e9
-
-
-class Clocks:
-    """A wall clock and a monotonic one; ``step`` moves the wall clock only."""
-
-    def __init__(self) -> None:
-        self.wall_t, self.mono_t = T0, 5000.0
-
-    def wall(self) -> float:
-        return self.wall_t
-
-    def mono(self) -> float:
-        return self.mono_t
-
-    def advance(self, seconds: float) -> None:
-        self.wall_t += seconds
-        self.mono_t += seconds
-
-    def step(self, seconds: float) -> None:
-        self.wall_t += seconds
+from _clocks import T0, Clocks
 
 
 def _pilot(root: Path, clocks: Clocks, *, settle: bool = True, **kw: Any) -> Autopilot:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _clocks import T0, Clocks
 
 from dcp_volumes.checkpointer._autopilot import Autopilot
 from dcp_volumes.goodput import AutopilotOptions, FailureModel, Incarnation, RunRecord
@@ -26,23 +27,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 OPTS = AutopilotOptions(failure_model=FailureModel.from_fleet(mtbf_hours=40 / 3600,
                                                               fleet_gpus=2, gpus=2),
                         min_interval_s=0.5)
-T0 = 1.8e9
 Doc = dict[str, Any]
-
-
-class Clocks:
-    def __init__(self) -> None:
-        self.wall_t, self.mono_t = T0, 5000.0
-
-    def wall(self) -> float:
-        return self.wall_t
-
-    def mono(self) -> float:
-        return self.mono_t
-
-    def advance(self, seconds: float) -> None:
-        self.wall_t += seconds
-        self.mono_t += seconds
 
 
 def _pilot(root: Path, clocks: Clocks, age_s: float) -> Autopilot:
